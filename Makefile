@@ -1,0 +1,29 @@
+# Two entry points do all the set-up: `make serve` and `make test`.
+# TORCH_SPEC pins the CPU wheel; a GPU user sets it to the torch build of their CUDA, e.g.
+#   make serve TORCH_SPEC="torch==2.13.0 --index-url https://download.pytorch.org/whl/cu128"
+PYTHON ?= python3
+VENV ?= .venv
+TORCH_SPEC ?= torch==2.13.0
+BIN := $(VENV)/bin
+
+.PHONY: install serve test bench demo-models
+
+$(BIN)/specserve: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install $(TORCH_SPEC)
+	$(BIN)/pip install -e ".[test]"
+	touch $@
+
+install: $(BIN)/specserve
+
+serve: install
+	$(BIN)/specserve serve
+
+demo-models: install
+	$(BIN)/specserve demo-models
+
+bench: install
+	$(BIN)/specserve bench
+
+test: install
+	$(BIN)/python -m pytest -q
