@@ -1,0 +1,225 @@
+"""K controller: the speed-up formula, the α estimator, choosing and probing K, measuring c."""
+
+import random
+
+import pytest
+
+from app.controller import (
+    CostConfig,
+    CostEstimator,
+    KController,
+    KControllerConfig,
+    expected_accepted_length,
+    expected_speedup,
+    optimal_k,
+)
+
+
+def draft_round(rng: random.Random, alpha: float, k: int) -> int:
+    """Accepted count of a round: Bernoulli(α) per token, stopping at the first rejection."""
+    accepted = 0
+    while accepted < k and rng.random() < alpha:
+        accepted += 1
+    return accepted
+
+
+def run(ctrl: KController, rng: random.Random, alpha: float, c: float, rounds: int) -> list[int]:
+    """Drive `rounds` rounds on a stream with acceptance `alpha`; return the K chosen each round."""
+    ks = []
+    for _ in range(rounds):
+        k = ctrl.choose(c)
+        ctrl.observe(k, draft_round(rng, alpha, k))
+        ks.append(k)
+    return ks
+
+
+# --- the formula ---------------------------------------------------------------------------
+
+
+def test_speedup_k0_is_one():
+    assert expected_speedup(0.9, 0, 0.1) == 1.0
+    assert expected_speedup(0.0, 0, 0.5, verify_cost=3.0) == 1.0
+
+
+def test_speedup_alpha0_pays_only_the_draft():
+    for k, c in [(1, 0.1), (4, 0.05), (8, 0.3)]:
+        assert expected_speedup(0.0, k, c) == pytest.approx(1.0 / (k * c + 1))
+
+
+def test_speedup_alpha1_limit():
+    k, c = 5, 0.1
+    assert expected_speedup(1.0, k, c) == pytest.approx((k + 1) / (k * c + 1))
+    assert expected_speedup(1.0 - 1e-12, k, c) == pytest.approx((k + 1) / (k * c + 1))
+    assert expected_accepted_length(1.0, k) == k + 1
+
+
+def test_speedup_known_values():
+    # α = 0.8, K = 3, c = 0.1: (1 - 0.8^4) / (0.2 · 1.3) = 0.5904 / 0.26
+    assert expected_speedup(0.8, 3, 0.1) == pytest.approx(0.5904 / 0.26)
+    # verify_cost adds K·v to the round's cost: 0.5904 / (0.2 · (1.3 + 0.6))
+    assert expected_speedup(0.8, 3, 0.1, verify_cost=0.2) == pytest.approx(0.5904 / 0.38)
+    assert expected_accepted_length(0.5, 2) == pytest.approx(1.75)
+
+
+def test_optimal_k_matches_brute_force():
+    rng = random.Random(0)
+    for _ in range(300):
+        alpha, c, v = rng.random(), rng.uniform(0.01, 1.0), rng.choice([0.0, rng.uniform(0, 1)])
+        k_max = rng.randint(0, 12)
+        best_k, best = 0, 1.0
+        for k in range(1, k_max + 1):
+            s = expected_speedup(alpha, k, c, v)
+            if s > best:
+                best_k, best = k, s
+        assert optimal_k(alpha, c, k_max, v) == best_k
+
+
+def test_optimal_k_margin():
+    # α = 0.3, c = 0.2, K = 1: 1.3 / 1.2 ≈ 1.083 pays, but not by a margin of 0.1
+    assert optimal_k(0.3, 0.2, 8) == 1
+    assert optimal_k(0.3, 0.2, 8, margin=0.1) == 0
+
+
+# --- the α estimate ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("alpha", [0.3, 0.6, 0.9])
+def test_alpha_estimate_is_unbiased_for_truncated_runs(alpha):
+    rng = random.Random(1)
+    ctrl = KController(KControllerConfig(decay=0.998), pinned_k=4)  # long memory: precision
+    naive = []
+    for _ in range(3000):
+        accepted = draft_round(rng, alpha, 4)
+        ctrl.observe(4, accepted)
+        naive.append(accepted / 4)
+    assert ctrl.alpha == pytest.approx(alpha, abs=0.05)
+    assert sum(naive) / len(naive) < alpha - 0.1  # what averaging A/K would have said
+
+
+def test_alpha_estimate_default_memory_tracks_truth():
+    rng = random.Random(2)
+    ctrl = KController(pinned_k=6)
+    estimates = []
+    for i in range(2000):
+        ctrl.observe(6, draft_round(rng, 0.7, 6))
+        if i >= 100:
+            estimates.append(ctrl.alpha)
+    assert sum(estimates) / len(estimates) == pytest.approx(0.7, abs=0.05)
+
+
+def test_observe_rejects_impossible_counts():
+    with pytest.raises(ValueError, match="accepted"):
+        KController().observe(2, 3)
+
+
+# --- choosing K ----------------------------------------------------------------------------
+
+
+def test_prior_speculates_from_the_first_round():
+    assert KController().choose(0.1) > 0
+
+
+def test_high_acceptance_converges_to_large_optimum():
+    rng = random.Random(3)
+    ctrl = KController()
+    ks = run(ctrl, rng, alpha=0.9, c=0.05, rounds=200)
+    target = optimal_k(0.9, 0.05, ctrl.config.k_max)
+    assert target == ctrl.config.k_max
+    tail = ks[50:]
+    assert sum(k >= target - 1 for k in tail) / len(tail) > 0.9
+
+
+def test_low_acceptance_turns_off_but_probes():
+    rng = random.Random(4)
+    cfg = KControllerConfig(probe_interval=10, probe_k=2)
+    ctrl = KController(cfg)
+    ks = run(ctrl, rng, alpha=0.1, c=0.2, rounds=400)
+    tail = ks[20:]
+    assert sum(k == 0 for k in tail) / len(tail) > 0.85
+    # a probe follows every run of probe_interval zeros, and is probe_k long
+    zeros = 0
+    for k in tail:
+        if zeros == cfg.probe_interval:
+            assert k > 0
+        zeros = zeros + 1 if k == 0 else 0
+    probes = sum(1 for prev, k in zip(tail, tail[1:]) if prev == 0 and k == cfg.probe_k)
+    assert probes >= len(tail) // (cfg.probe_interval + 3)
+
+
+def test_low_then_high_recovers_speculation():
+    cfg = KControllerConfig(probe_interval=16)
+    for seed in range(10):
+        rng = random.Random(seed)
+        ctrl = KController(cfg)
+        assert run(ctrl, rng, alpha=0.05, c=0.2, rounds=100)[-cfg.probe_interval :].count(0) > 12
+        after = run(ctrl, rng, alpha=0.9, c=0.2, rounds=4 * cfg.probe_interval)
+        # sustained speculation (two K > 0 rounds in a row: probes are isolated) starts at a
+        # probe that succeeds; one in ten fails at α = 0.9, so allow three probes
+        on = next(i for i in range(len(after) - 1) if after[i] > 0 and after[i + 1] > 0)
+        assert on <= 3 * (cfg.probe_interval + 1)
+        assert all(k > 0 for k in after[-10:])  # and stays on
+
+
+def test_high_then_low_turns_off():
+    for seed in range(10):
+        rng = random.Random(seed)
+        ctrl = KController()
+        assert run(ctrl, rng, alpha=0.9, c=0.2, rounds=100)[-1] > 0
+        after = run(ctrl, rng, alpha=0.05, c=0.2, rounds=60)
+        first = next(i for i, k in enumerate(after) if k == 0)
+        assert first <= 25
+
+
+def test_pinned_k_is_always_returned():
+    rng = random.Random(6)
+    ctrl = KController(pinned_k=3)
+    assert set(run(ctrl, rng, alpha=0.05, c=0.9, rounds=50)) == {3}
+
+
+def test_pinned_zero_disables_speculation_and_never_probes():
+    rng = random.Random(7)
+    ctrl = KController(KControllerConfig(probe_interval=2), pinned_k=0)
+    assert set(run(ctrl, rng, alpha=0.99, c=0.01, rounds=50)) == {0}
+
+
+def test_negative_pinned_k_is_refused():
+    with pytest.raises(ValueError, match="pinned K"):
+        KController(pinned_k=-1)
+
+
+def test_verify_cost_shrinks_k_to_zero():
+    rng = random.Random(8)
+    ctrl = KController()
+    run(ctrl, rng, alpha=0.8, c=0.05, rounds=100)
+    ks = [ctrl.choose(0.05, verify_cost=v) for v in (0.0, 0.1, 0.3, 2.0)]
+    assert ks[0] > ks[1] > ks[2] >= 0
+    assert ks[-1] == 0
+
+
+# --- measuring c ---------------------------------------------------------------------------
+
+
+def test_cost_estimator_prior_before_data():
+    est = CostEstimator()
+    assert est.c == CostConfig().prior_c
+    est.observe(0.0, 0, 0.05)  # a plain target step: no draft timing yet
+    assert est.c == CostConfig().prior_c
+
+
+def test_cost_estimator_converges_to_true_ratio():
+    rng = random.Random(9)
+    est = CostEstimator()
+    draft_step, target_round = 0.004, 0.05  # c = 0.08
+    for _ in range(300):
+        k = rng.randint(1, 8)
+        est.observe(k * draft_step * rng.uniform(0.9, 1.1), k, target_round * rng.uniform(0.9, 1.1))
+    assert est.c == pytest.approx(0.08, rel=0.05)
+
+
+def test_cost_estimator_clamps():
+    est = CostEstimator(CostConfig(c_min=0.01, c_max=1.0))
+    est.observe(1e-7, 1, 1.0)
+    assert est.c == 0.01
+    slow = CostEstimator()
+    slow.observe(2.0, 1, 0.1)
+    assert slow.c == 1.0
