@@ -1,0 +1,1 @@
+"""specserve engine: exact speculative decoding in plain Python + torch + transformers (no Ray)."""

@@ -1,0 +1,128 @@
+"""Building and caching the demo pair: one directory per (quick, seed, build format), written
+atomically so that an interrupted build is never taken for a finished one."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+import time
+from contextlib import contextmanager
+from dataclasses import asdict
+from pathlib import Path
+
+import torch
+from tqdm.auto import tqdm
+
+from app.demo import corpus, train
+
+BUILD_FORMAT = 1  # bump when a change to the build makes old cached pairs wrong
+MARKER = "build.json"  # written last: its presence means the pair is complete
+
+
+def cache_root(cache_dir: str | None = None) -> Path:
+    """Where demo pairs live: cache_dir, else $SPECSERVE_CACHE, else the user cache dir."""
+    if cache_dir:
+        return Path(cache_dir)
+    if os.environ.get("SPECSERVE_CACHE"):
+        return Path(os.environ["SPECSERVE_CACHE"])
+    import platformdirs
+
+    return Path(platformdirs.user_cache_dir("specserve"))
+
+
+def pair_dir(quick: bool, seed: int, cache_dir: str | None = None) -> Path:
+    """The directory of one demo pair (holding target/ and draft/)."""
+    return cache_root(cache_dir) / "demo" / f"{'quick' if quick else 'full'}-seed{seed}-v{BUILD_FORMAT}"
+
+
+def demo_pair(quick: bool = False, rebuild: bool = False, seed: int = 0,
+              cache_dir: str | None = None, progress: bool = True) -> tuple[str, str]:
+    """(target_dir, draft_dir) of the demo pair, building it first if it is not cached.
+
+    Both are Hugging Face model directories (safetensors + the shared tokenizer) for
+    `AutoModelForCausalLM` / `AutoTokenizer.from_pretrained`. The target is saved in bfloat16
+    (its serving dtype on CPU and GPU); the draft, whose step is overhead-bound, in float32.
+    """
+    final = pair_dir(quick, seed, cache_dir)
+    if rebuild or not (final / MARKER).exists():
+        _build_into(final, quick, seed, progress)
+    return str(final / "target"), str(final / "draft")
+
+
+def _build_into(final: Path, quick: bool, seed: int, progress: bool) -> None:
+    final.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=final.parent, prefix=f".{final.name}.building-"))
+    try:
+        build_pair(tmp, quick, seed, progress)
+        if final.exists():  # a rebuild, or a stale partial directory
+            old = final.with_name(f".{final.name}.old-{os.getpid()}")
+            final.rename(old)
+            shutil.rmtree(old, ignore_errors=True)
+        tmp.rename(final)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+@contextmanager
+def _torch_threads(n: int):
+    before = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+def build_pair(out: Path, quick: bool = False, seed: int = 0, progress: bool = True) -> None:
+    """Build tokenizer, target and draft into out/target and out/draft (deterministic in seed)."""
+    plan = train.PLANS["quick" if quick else "full"]
+    # Progress in units of ~one draft step; a target training step costs about three.
+    total = 1 + 3 * plan.target_steps + plan.draft_steps + 1
+    t0 = time.time()
+    with _torch_threads(2), tqdm(total=total, desc="demo pair: tokenizer", disable=not progress,
+                                 unit="u", dynamic_ncols=True) as bar:
+        def tick(weight: int):
+            return lambda loss: (bar.update(weight), bar.set_postfix(loss=f"{loss:.3f}"))
+
+        texts = corpus.training_texts()
+        tok = train.train_tokenizer(texts, plan)
+        stream = train.encode_corpus(tok, texts)
+        bar.update(1)
+
+        torch.manual_seed(seed)
+        gen = torch.Generator().manual_seed(seed)
+        target = train.new_model(plan.target, plan)
+        bar.set_description("demo pair: target")
+        train.train_target(target, stream, plan, gen, tick(3))
+        draft = train.new_model(plan.draft, plan)
+        bar.set_description("demo pair: draft")
+        train.distill_draft(draft, target, stream, plan, gen, tick(1))
+
+        bar.set_description("demo pair: saving")
+        for name, model, dtype in (("target", target, torch.bfloat16), ("draft", draft, torch.float32)):
+            model.to(dtype).save_pretrained(out / name)
+            tok.save_pretrained(out / name)
+        bar.update(1)
+    info = {"format": BUILD_FORMAT, "seed": seed, "quick": quick, "plan": asdict(plan),
+            "corpus_tokens": stream.numel(), "build_seconds": round(time.time() - t0, 1)}
+    (out / MARKER).write_text(json.dumps(info, indent=2))
+
+
+def build_cli(args) -> int:
+    """`specserve demo-models`: build (if needed) the pair, then print where it is and how it does."""
+    from app.demo.measure import measure_pair
+
+    target_dir, draft_dir = demo_pair(quick=args.quick, rebuild=args.rebuild, seed=args.seed,
+                                      cache_dir=args.cache_dir)
+    print(f"target: {target_dir}\ndraft:  {draft_dir}")
+    m = measure_pair(target_dir, draft_dir)
+    print(f"params: target {m['target_params'] / 1e6:.1f}M ({m['target_dtype']}), "
+          f"draft {m['draft_params'] / 1e6:.2f}M ({m['draft_dtype']}), "
+          f"ratio {m['target_params'] / m['draft_params']:.1f}x")
+    print(f"greedy mean accepted length tau at K={m['k']}: {m['tau']:.2f} "
+          + " ".join(f"({k} {v:.2f})" for k, v in m["tau_by_kind"].items()))
+    print(f"step time: target {m['target_step_ms']:.2f} ms, draft {m['draft_step_ms']:.2f} ms, "
+          f"cost ratio c = {m['c']:.3f}")
+    return 0

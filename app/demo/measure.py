@@ -1,0 +1,91 @@
+"""How well a draft/target pair would speculate, measured without the speculative engine.
+
+τ (mean accepted length): greedy-decode the target, ask the draft for its argmax at every
+position of that same text, and replay rounds of K: each round emits the longest run of
+agreeing draft tokens plus one target token (the correction, or the bonus after K agreements).
+c (cost ratio): median time of a one-token decode step with KV cache, draft over target, batch 1.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
+
+from app.demo.corpus import load_heldout_prompts
+
+
+def replay_rounds(agree: list[bool], k: int) -> tuple[int, int]:
+    """Greedy rounds of K over a per-position agreement list. Returns (tokens emitted, rounds)."""
+    i = rounds = 0
+    while i < len(agree):
+        run = 0
+        while run < k and i + run < len(agree) and agree[i + run]:
+            run += 1
+        i += run + 1  # the accepted run, then the target's own token
+        rounds += 1
+    return len(agree), rounds
+
+
+@torch.no_grad()
+def greedy_continuation(model: PreTrainedModel, ids: torch.Tensor, n: int) -> torch.Tensor:
+    """The target's greedy continuation of ids [1, S]. Returns [n]."""
+    out = model(ids, use_cache=True)
+    cache, tok, toks = out.past_key_values, out.logits[:, -1].argmax(-1, keepdim=True), []
+    for _ in range(n):
+        toks.append(tok)
+        out = model(tok, past_key_values=cache, use_cache=True)
+        cache, tok = out.past_key_values, out.logits[:, -1].argmax(-1, keepdim=True)
+    return torch.cat(toks, dim=1)[0]
+
+
+@torch.no_grad()
+def agreement(draft: PreTrainedModel, ids: torch.Tensor, cont: torch.Tensor) -> list[bool]:
+    """Per continuation position: does the draft's argmax, given the same prefix, match?"""
+    full = torch.cat([ids[0], cont])[None]  # [1, S + n]
+    guesses = draft(full).logits[0, ids.shape[1] - 1 : -1].argmax(-1)  # [n]
+    return (guesses == cont).tolist()
+
+
+@torch.no_grad()
+def step_ms(model: PreTrainedModel, context: int = 128, steps: int = 40) -> float:
+    """Median milliseconds of one decode step (1 token, KV cache of `context`), batch 1."""
+    ids = torch.randint(2, model.config.vocab_size, (1, context))
+    out = model(ids, use_cache=True)
+    cache, tok, times = out.past_key_values, ids[:, -1:], []
+    for _ in range(steps + 5):
+        t0 = time.perf_counter()
+        out = model(tok, past_key_values=cache, use_cache=True)
+        times.append(time.perf_counter() - t0)
+        cache = out.past_key_values
+    return statistics.median(times[5:]) * 1e3  # the first steps warm up allocators
+
+
+def measure_pair(target_dir: str, draft_dir: str, k: int = 4, new_tokens: int = 64) -> dict:
+    """τ at K (greedy, held-out prompts), cost ratio c and parameter counts of a saved pair."""
+    tok = AutoTokenizer.from_pretrained(target_dir)
+    target = AutoModelForCausalLM.from_pretrained(target_dir, dtype="auto").eval()
+    draft = AutoModelForCausalLM.from_pretrained(draft_dir, dtype="auto").eval()
+    emitted, rounds, by_kind = 0, 0, {}
+    for p in load_heldout_prompts():
+        ids = tok(p["prompt"], return_tensors="pt").input_ids
+        cont = greedy_continuation(target, ids, new_tokens)
+        e, r = replay_rounds(agreement(draft, ids, cont), k)
+        emitted, rounds = emitted + e, rounds + r
+        ke, kr = by_kind.get(p["kind"], (0, 0))
+        by_kind[p["kind"]] = (ke + e, kr + r)
+    target_ms, draft_ms = step_ms(target), step_ms(draft)
+    return {
+        "k": k,
+        "tau": emitted / rounds,
+        "tau_by_kind": {kind: e / r for kind, (e, r) in by_kind.items()},
+        "target_step_ms": target_ms,
+        "draft_step_ms": draft_ms,
+        "c": draft_ms / target_ms,
+        "target_params": target.num_parameters(),
+        "draft_params": draft.num_parameters(),
+        "target_dtype": str(target.dtype),
+        "draft_dtype": str(draft.dtype),
+    }

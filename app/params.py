@@ -1,0 +1,75 @@
+"""Request-level parameters: how to sample, when to stop, how to speculate."""
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from app.errors import InvalidRequestError
+
+
+class SpeculationParams(BaseModel):
+    """Per-request control of speculation (the `speculation` extension of the HTTP API)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    enabled: bool = Field(True, description="False runs plain target decoding (K = 0) for this request.")
+    num_tokens: int | Literal["auto"] = Field(
+        "auto", description='Draft tokens per round: a fixed K >= 0, or "auto" for the adaptive controller.'
+    )
+
+    @field_validator("num_tokens")
+    @classmethod
+    def _non_negative(cls, v: int | str) -> int | str:
+        if isinstance(v, int) and v < 0:
+            raise ValueError("num_tokens must be >= 0 or 'auto'")
+        return v
+
+    def pinned_k(self) -> int | None:
+        """The fixed K this request asks for, or None when the controller chooses."""
+        if not self.enabled:
+            return 0
+        return None if self.num_tokens == "auto" else int(self.num_tokens)
+
+
+class SamplingParams(BaseModel):
+    """How one request samples and stops. temperature 0 means greedy."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    max_tokens: int = Field(64, ge=1, description="Most tokens to generate.")
+    temperature: float = Field(1.0, ge=0.0, le=100.0, description="0 = greedy; higher flattens the distribution.")
+    top_p: float = Field(1.0, gt=0.0, le=1.0, description="Nucleus sampling: keep the smallest set with mass >= top_p.")
+    top_k: int = Field(0, ge=-1, description="Keep the k most likely tokens; 0 or -1 keeps all.")
+    stop: list[str] = Field(default_factory=list, description="Strings that end generation; excluded from the text.")
+    seed: int | None = Field(None, description="Makes sampling reproducible, whatever else is in the batch.")
+    ignore_eos: bool = Field(False, description="Keep generating past the end-of-sequence token.")
+    speculation: SpeculationParams = Field(default_factory=SpeculationParams, description="Speculation control.")
+
+    @field_validator("stop", mode="before")
+    @classmethod
+    def _stop_list(cls, v):
+        if v is None:
+            return []
+        if isinstance(v, str):
+            v = [v]
+        if any(not isinstance(s, str) or s == "" for s in v):
+            raise ValueError("stop must be a non-empty string or a list of non-empty strings")
+        return v
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+def parse_sampling(params: "SamplingParams | dict | None" = None, **overrides) -> SamplingParams:
+    """Build SamplingParams, turning pydantic's error into an InvalidRequestError naming the parameter."""
+    if isinstance(params, SamplingParams) and not overrides:
+        return params
+    data = params.model_dump() if isinstance(params, SamplingParams) else dict(params or {})
+    data.update(overrides)
+    try:
+        return SamplingParams.model_validate(data)
+    except ValidationError as e:
+        err = e.errors()[0]
+        param = ".".join(str(p) for p in err["loc"]) or None
+        raise InvalidRequestError(f"invalid {param}: {err['msg']}", param=param) from None

@@ -1,0 +1,138 @@
+"""A request's state while it generates: its tokens, stop rules, streamed text and statistics."""
+
+import secrets
+from dataclasses import dataclass, field
+
+from app.errors import ContextLengthError, InvalidRequestError
+from app.params import SamplingParams
+
+REPLACEMENT = "\ufffd"  # what a decoder shows for a UTF-8 sequence cut mid-way
+
+
+@dataclass
+class SpeculationStats:
+    """How speculation went for one request."""
+
+    drafted_tokens: int = 0
+    accepted_tokens: int = 0
+    rounds: int = 0
+    fallback_rounds: int = 0
+    emitted_tokens: int = 0
+    accepted_per_position: list[int] = field(default_factory=list)
+
+    def record(self, drafted: int, accepted: int, emitted: int, fallback: bool = False) -> None:
+        self.rounds += 1
+        self.drafted_tokens += drafted
+        self.accepted_tokens += accepted
+        self.emitted_tokens += emitted
+        self.fallback_rounds += int(fallback)
+        if len(self.accepted_per_position) < drafted:
+            self.accepted_per_position += [0] * (drafted - len(self.accepted_per_position))
+        for j in range(accepted):
+            self.accepted_per_position[j] += 1
+
+    def summary(self) -> dict:
+        """The `speculation` object of responses."""
+        return {
+            "drafted_tokens": self.drafted_tokens,
+            "accepted_tokens": self.accepted_tokens,
+            "rounds": self.rounds,
+            "acceptance_rate": self.accepted_tokens / self.drafted_tokens if self.drafted_tokens else 0.0,
+            # tokens per target forward, the bonus/recovered token included (tau)
+            "mean_accepted_length": self.emitted_tokens / self.rounds if self.rounds else 0.0,
+            "fallback_rounds": self.fallback_rounds,
+        }
+
+
+class RequestState:
+    """Token ids, sampling and stop rules of one request; `append` applies a round's tokens."""
+
+    def __init__(self, request_id: str, prompt_ids: list[int], params: SamplingParams, tokenizer, max_context: int):
+        if not prompt_ids:
+            raise InvalidRequestError("prompt is empty: give at least one token", param="prompt")
+        if len(prompt_ids) >= max_context:
+            raise ContextLengthError(
+                f"prompt has {len(prompt_ids)} tokens but the model's context is {max_context}: "
+                "shorten the prompt", param="prompt")
+        self.request_id = request_id
+        self.prompt_ids = list(prompt_ids)
+        self.params = params
+        # every request has a seed so its randomness is addressable; unseeded ones get a fresh one
+        self.seed = params.seed if params.seed is not None else secrets.randbits(62)
+        self.tokenizer = tokenizer
+        self.max_context = max_context
+        self.output_ids: list[int] = []
+        self.text = ""
+        self._streamed = 0
+        self.finish_reason: str | None = None
+        self.stats = SpeculationStats()
+        eos = tokenizer.eos_token_id
+        self.eos_ids = set(eos if isinstance(eos, list) else [eos]) - {None}
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.prompt_ids + self.output_ids
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    def room(self) -> int:
+        """Tokens that may still be emitted (max_tokens and the context limit)."""
+        return min(self.params.max_tokens - len(self.output_ids), self.max_context - len(self.token_ids))
+
+    def append(self, tokens: list[int]) -> list[int]:
+        """Apply one round's emitted tokens, truncating at the first stop; returns the tokens kept."""
+        kept = []
+        for t in tokens:
+            if t in self.eos_ids and not self.params.ignore_eos:
+                self.finish_reason = "stop"
+                break
+            kept.append(t)
+            self.output_ids.append(t)
+            if self.room() <= 0:
+                self.finish_reason = "length"
+                break
+        self.text = self.tokenizer.decode(self.output_ids, skip_special_tokens=True)
+        if self.params.stop:
+            kept = self._apply_stop_strings(kept)
+        return kept
+
+    def _apply_stop_strings(self, kept: list[int]) -> list[int]:
+        """Find stop strings, also across token boundaries; truncate tokens and text there."""
+        longest = max(len(s) for s in self.params.stop)
+        start = max(0, self._streamed - longest)
+        hits = [(i, s) for s in self.params.stop if (i := self.text.find(s, start)) >= 0]
+        if not hits:
+            return kept
+        cut, stop = min(hits)
+        # the fewest output tokens whose text contains the stop string
+        first_new = len(self.output_ids) - len(kept)
+        n = first_new
+        while n < len(self.output_ids):
+            n += 1
+            if len(self.tokenizer.decode(self.output_ids[:n], skip_special_tokens=True)) >= cut + len(stop):
+                break
+        del kept[n - first_new:]
+        del self.output_ids[n:]
+        self.text = self.text[:cut]
+        self.finish_reason = "stop"
+        return kept
+
+    def take_delta(self) -> str:
+        """Text not yet streamed, holding back a possible partial stop string or UTF-8 sequence."""
+        end = len(self.text)
+        if not self.finished:
+            while end > self._streamed and self.text[end - 1] == REPLACEMENT:
+                end -= 1
+            end -= max((self._partial_stop(s, end) for s in self.params.stop), default=0)
+        delta = self.text[self._streamed:end]
+        self._streamed = max(self._streamed, end)
+        return delta
+
+    def _partial_stop(self, stop: str, end: int) -> int:
+        """Length of the longest proper prefix of `stop` that text[:end] ends with (unstreamed part only)."""
+        for j in range(min(len(stop) - 1, end - self._streamed), 0, -1):
+            if self.text[end - j : end] == stop[:j]:
+                return j
+        return 0

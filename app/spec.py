@@ -1,0 +1,143 @@
+"""One speculative round over a batch: `propose` on the draft, `verify` on the target.
+
+Both are stateless apart from the runner's caches: every item carries the sequence's full token
+ids, so any replica can answer any call and a lost cache only costs recomputation.
+"""
+
+from dataclasses import dataclass, field
+
+import torch
+
+from app.params import SamplingParams
+from app.runner import ModelRunner, SeqInput
+from app.sampling import DRAFT, process_logits, rejection_sample, sample, uniform
+
+
+@dataclass
+class ProposeItem:
+    """Ask the draft for k tokens after token_ids."""
+
+    seq_id: str
+    token_ids: list[int]
+    k: int
+    sampling: SamplingParams
+    seed: int
+
+
+@dataclass
+class Proposal:
+    """k draft tokens and the sparse distribution q each was sampled from."""
+
+    tokens: list[int]
+    q_ids: torch.Tensor  # [k, M] int64
+    q_probs: torch.Tensor  # [k, M] float32, rows sum to 1
+
+    @classmethod
+    def empty(cls) -> "Proposal":
+        return cls([], torch.zeros(0, 1, dtype=torch.long), torch.zeros(0, 1))
+
+
+@dataclass
+class VerifyItem:
+    """Check a proposal against the target; an empty proposal is a plain target step (K = 0)."""
+
+    seq_id: str
+    token_ids: list[int]
+    proposal: Proposal
+    sampling: SamplingParams
+    seed: int
+
+
+@dataclass
+class Verdict:
+    """What the target kept: accepted draft tokens then one recovered or bonus token."""
+
+    tokens: list[int]
+    accepted: int
+    drafted: int
+    stats: dict = field(default_factory=dict)
+
+
+def _sampling_tensors(params: list[SamplingParams], repeat: int = 1):
+    """(temperature, top_k, top_p) as [N * repeat] tensors."""
+    t = torch.tensor([p.temperature for p in params]).repeat_interleave(repeat)
+    k = torch.tensor([p.top_k for p in params]).repeat_interleave(repeat)
+    p_ = torch.tensor([p.top_p for p in params]).repeat_interleave(repeat)
+    return t, k, p_
+
+
+def _truncate_top_n(probs: torch.Tensor, top_n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """q restricted to its top_n tokens and renormalised: exact, since q is what the draft samples."""
+    n = probs.shape[-1] if top_n <= 0 else min(top_n, probs.shape[-1])
+    q_probs, q_ids = probs.topk(n, dim=-1)
+    return q_ids, q_probs / q_probs.sum(-1, keepdim=True)
+
+
+def _draft_step(logits: torch.Tensor, items: list[ProposeItem], positions: torch.Tensor, top_n: int):
+    """Sample one draft token per row. logits [B, V]; positions [B] absolute -> tokens, q_ids, q_probs."""
+    temperature, top_k, top_p = _sampling_tensors([it.sampling for it in items])
+    q_ids, q_probs = _truncate_top_n(process_logits(logits, temperature, top_k, top_p), top_n)
+    seeds = torch.tensor([it.seed for it in items])
+    col = sample(q_probs, uniform(seeds, positions, DRAFT))
+    tokens = q_ids.gather(-1, col.unsqueeze(-1)).squeeze(-1)
+    return tokens, q_ids, q_probs
+
+
+def propose(runner: ModelRunner, items: list[ProposeItem], top_n: int = 32) -> list[Proposal]:
+    """Draft up to k tokens for every item in one batch: one forward per draft step."""
+    live = [i for i, it in enumerate(items) if it.k > 0]
+    out = [Proposal.empty() for _ in items]
+    if not live:
+        return out
+    batch_items = [items[i] for i in live]
+    batch = runner.open([SeqInput(it.seq_id, it.token_ids, 1) for it in batch_items])
+    logits = torch.stack([lg[-1] for lg in batch.logits])
+    positions = torch.tensor([len(it.token_ids) for it in batch_items])
+    steps = max(it.k for it in batch_items)
+    tokens, ids, probs = [], [], []
+    for step in range(steps):
+        t, qi, qp = _draft_step(logits, batch_items, positions + step, top_n)
+        tokens.append(t), ids.append(qi), probs.append(qp)
+        if step + 1 < steps:
+            logits = batch.extend(t.tolist())
+    batch.close([len(it.token_ids) + it.k - 1 for it in batch_items])
+    tokens, ids, probs = torch.stack(tokens, 1), torch.stack(ids, 1), torch.stack(probs, 1)  # [B, steps, ...]
+    for row, i in enumerate(live):
+        k = items[i].k
+        out[i] = Proposal(tokens[row, :k].tolist(), ids[row, :k], probs[row, :k])
+    return out
+
+
+def verify(runner: ModelRunner, items: list[VerifyItem]) -> list[Verdict]:
+    """One target forward over every item's K+1 positions, rejection sampling, KV rollback."""
+    ks = [len(it.proposal.tokens) for it in items]
+    kmax = max(ks)
+    seqs = [SeqInput(it.seq_id, it.token_ids + it.proposal.tokens, k + 1) for it, k in zip(items, ks)]
+    batch = runner.open(seqs)
+    b, v = len(items), runner.vocab_size
+    padded = torch.zeros(b, kmax + 1, v)
+    for i, lg in enumerate(batch.logits):
+        padded[i, : lg.shape[0]] = lg
+    temperature, top_k, top_p = _sampling_tensors([it.sampling for it in items], kmax + 1)
+    p = process_logits(padded.view(-1, v), temperature, top_k, top_p).view(b, kmax + 1, v)
+
+    m = max(it.proposal.q_ids.shape[-1] for it in items)
+    draft = torch.zeros(b, kmax, dtype=torch.long)
+    q_ids = torch.zeros(b, kmax, m, dtype=torch.long)
+    q_probs = torch.zeros(b, kmax, m)
+    for i, (it, k) in enumerate(zip(items, ks)):
+        if k:
+            draft[i, :k] = torch.tensor(it.proposal.tokens)
+            mi = it.proposal.q_ids.shape[-1]
+            q_ids[i, :k, :mi] = it.proposal.q_ids
+            q_probs[i, :k, :mi] = it.proposal.q_probs
+    accepted, tokens = rejection_sample(
+        p, draft, q_ids, q_probs,
+        num_draft=torch.tensor(ks), greedy=torch.tensor([it.sampling.greedy for it in items]),
+        seeds=torch.tensor([it.seed for it in items]), start_pos=torch.tensor([len(it.token_ids) for it in items]),
+    )
+    batch.close([len(it.token_ids) + int(a) for it, a in zip(items, accepted)])
+    return [
+        Verdict(tokens[i, : int(accepted[i]) + 1].tolist(), int(accepted[i]), ks[i], {"batch_size": b})
+        for i in range(b)
+    ]

@@ -1,0 +1,71 @@
+"""Tiny Llama models and a tokenizer built from configs: nothing is downloaded."""
+
+import pytest
+import torch
+from tokenizers import Tokenizer, models, pre_tokenizers, decoders
+from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+from app.runner import ModelRunner
+
+VOCAB = 98  # the tokenizer: printable ASCII, newline, <s> and </s>
+
+
+def make_tokenizer() -> PreTrainedTokenizerFast:
+    """A character-level tokenizer over printable ASCII, with <s> and </s>."""
+    vocab = {"<s>": 0, "</s>": 1}
+    for c in map(chr, range(32, 127)):
+        vocab[c] = len(vocab)
+    vocab["\n"] = len(vocab)
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="</s>"))
+    tok.pre_tokenizer = pre_tokenizers.Split("", behavior="isolated")
+    tok.decoder = decoders.Fuse()
+    return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>")
+
+
+def make_model(seed: int, layers: int = 2, hidden: int = 64, vocab_rows: int = VOCAB,
+               max_positions: int = 256) -> LlamaForCausalLM:
+    """A random tiny Llama; logits scaled up so its distributions are peaked like a trained model's."""
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(vocab_size=vocab_rows, hidden_size=hidden, intermediate_size=2 * hidden,
+                      num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
+                      max_position_embeddings=max_positions, bos_token_id=0, eos_token_id=1, tie_word_embeddings=False)
+    model = LlamaForCausalLM(cfg).eval()
+    with torch.no_grad():
+        model.lm_head.weight.mul_(8.0)
+    return model
+
+
+def blend(target: LlamaForCausalLM, seed: int, weight: float) -> LlamaForCausalLM:
+    """A draft that partially agrees with the target: its weights mixed with a random model's."""
+    draft = make_model(seed)
+    with torch.no_grad():
+        for pd, pt in zip(draft.parameters(), target.parameters()):
+            pd.mul_(1 - weight).add_(pt, alpha=weight)
+    return draft
+
+
+@pytest.fixture(scope="session")
+def tokenizer():
+    return make_tokenizer()
+
+
+@pytest.fixture(scope="session")
+def target_model():
+    return make_model(seed=1)
+
+
+@pytest.fixture()
+def target_runner(target_model, tokenizer):
+    return ModelRunner(target_model, tokenizer)
+
+
+@pytest.fixture(scope="session")
+def model_dirs(tmp_path_factory, target_model, tokenizer):
+    """The target and a partially agreeing draft saved in Hugging Face format, for from_pretrained."""
+    root = tmp_path_factory.mktemp("models")
+    paths = {}
+    for name, model in {"target": target_model, "draft": blend(target_model, 7, 0.85)}.items():
+        model.save_pretrained(root / name)
+        tokenizer.save_pretrained(root / name)
+        paths[name] = str(root / name)
+    return paths
