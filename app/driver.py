@@ -25,6 +25,18 @@ def within_room(state: RequestState, k: int) -> int:
     return max(0, min(k, state.room() - 1))
 
 
+def _costs(state: RequestState, costs: CostEstimator, verify_cost: Callable[[], float]) -> tuple[float, float]:
+    """(c, verify cost) the controller weighs for this request.
+
+    A seeded sampled request must give the same output wherever it runs, and its draws depend on
+    the K of each round, so its K may depend only on its own acceptance history: it sees the prior
+    c and no load. Greedy output does not depend on K, so greedy requests use the live figures.
+    """
+    if state.params.seed is not None and not state.params.greedy:
+        return costs.config.prior_c, 0.0
+    return costs.c, verify_cost()
+
+
 async def run_rounds(
     state: RequestState,
     propose: ProposeFn | None,
@@ -35,7 +47,7 @@ async def run_rounds(
 ) -> AsyncIterator[list[int]]:
     """Drive rounds until the request stops; yields the tokens each round kept."""
     while not state.finished:
-        wanted = controller.choose(costs.c, verify_cost()) if propose else 0
+        wanted = controller.choose(*_costs(state, costs, verify_cost)) if propose else 0
         k = within_room(state, wanted)
         proposal, fallback, t_draft = Proposal.empty(), False, 0.0
         if k > 0:

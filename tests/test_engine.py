@@ -1,0 +1,154 @@
+"""The in-process engine: greedy identity with plain decoding, seeded determinism, stops, bad input."""
+
+import pytest
+import torch
+
+from app.engine import Engine
+from app.errors import ContextLengthError, InvalidRequestError, VocabularyMismatchError
+from app.params import SamplingParams
+from app.runner import ModelRunner
+from conftest import blend, make_model, make_tokenizer
+
+PROMPTS = ["def fib(n):", "hello world, this is a longer prompt than the others", "x", "for i in range(10):\n  "]
+
+
+def reference(model, prompt_ids: list[int], n: int) -> list[int]:
+    """Plain greedy decoding of the target alone, n tokens, EOS ignored."""
+    out = model.generate(torch.tensor([prompt_ids]), attention_mask=torch.ones(1, len(prompt_ids), dtype=torch.long),
+                         do_sample=False, max_new_tokens=n, min_new_tokens=n, eos_token_id=None, pad_token_id=0)
+    return out[0, len(prompt_ids):].tolist()
+
+
+def greedy(n: int = 24, **spec) -> SamplingParams:
+    return SamplingParams(temperature=0, max_tokens=n, ignore_eos=True, speculation=spec or {})
+
+
+@pytest.fixture(scope="module")
+def drafts(target_model):
+    return {"same": target_model, "random": make_model(seed=99), "partial": blend(target_model, 7, 0.85)}
+
+
+@pytest.mark.parametrize("kind", ["same", "random", "partial"])
+@pytest.mark.parametrize("k", [1, 4, "auto"])
+def test_greedy_is_token_identical_to_plain_decoding(kind, k, drafts, target_model, tokenizer):
+    engine = Engine(ModelRunner(target_model, tokenizer), ModelRunner(drafts[kind], tokenizer))
+    batch = engine.generate(PROMPTS, greedy(num_tokens=k))
+    alone = engine.generate(PROMPTS[1], greedy(num_tokens=k))[0]
+    for r in batch + [alone]:
+        assert r.token_ids == reference(target_model, r.prompt_token_ids, 24)
+    assert alone.token_ids == batch[1].token_ids
+    if kind == "same" and k == 4:
+        assert batch[0].speculation["acceptance_rate"] == 1.0
+        assert batch[0].speculation["mean_accepted_length"] > 4.0
+
+
+def test_k0_is_plain_target_decoding(target_model, tokenizer, drafts):
+    engine = Engine(ModelRunner(target_model, tokenizer), ModelRunner(drafts["partial"], tokenizer))
+    r = engine.generate(PROMPTS[0], greedy(enabled=False))[0]
+    assert r.token_ids == reference(target_model, r.prompt_token_ids, 24)
+    assert r.speculation["drafted_tokens"] == 0 and r.speculation["rounds"] == 24
+    assert r.speculation["fallback_rounds"] == 0
+
+
+def test_rounds_are_batched(target_model, tokenizer, drafts):
+    engine = Engine(ModelRunner(target_model, tokenizer), ModelRunner(drafts["partial"], tokenizer))
+    engine.generate(PROMPTS, greedy(num_tokens=3))
+    assert max(engine._verify.batch_sizes) == len(PROMPTS)
+    assert max(engine._propose.batch_sizes) == len(PROMPTS)
+
+
+def test_seeded_sampling_does_not_depend_on_the_batch(target_model, tokenizer, drafts):
+    engine = Engine(ModelRunner(target_model, tokenizer), ModelRunner(drafts["partial"], tokenizer))
+    params = SamplingParams(temperature=0.9, top_p=0.95, max_tokens=20, seed=1234, ignore_eos=True)
+    alone = engine.generate(PROMPTS[0], params)[0]
+    others = SamplingParams(temperature=1.0, max_tokens=30, ignore_eos=True)
+    batch = engine.generate(PROMPTS, [params, others, others, others])
+    again = engine.generate(PROMPTS[0], params)[0]
+    assert alone.token_ids == batch[0].token_ids == again.token_ids
+    other_seed = engine.generate(PROMPTS[0], params.model_copy(update={"seed": 4321}))[0]
+    assert other_seed.token_ids != alone.token_ids
+
+
+def test_seeded_sampling_is_the_same_with_and_without_speculation_k(target_model, tokenizer, drafts):
+    """Different K changes which draws are made, not the distribution; same K and seed → same output."""
+    engine = Engine(ModelRunner(target_model, tokenizer), ModelRunner(drafts["partial"], tokenizer))
+    params = SamplingParams(temperature=0.8, max_tokens=16, seed=7, ignore_eos=True, speculation={"num_tokens": 3})
+    assert engine.generate(PROMPTS[2], params)[0].token_ids == engine.generate(PROMPTS[2], params)[0].token_ids
+
+
+def test_draft_with_padded_vocabulary_works(target_model, tokenizer):
+    padded = make_model(seed=5, vocab_rows=len(tokenizer) + 30)
+    engine = Engine(ModelRunner(target_model, tokenizer), ModelRunner(padded, tokenizer))
+    r = engine.generate(PROMPTS[0], greedy(num_tokens=3))[0]
+    assert r.token_ids == reference(target_model, r.prompt_token_ids, 24)
+
+
+def test_max_tokens_and_eos(target_model, tokenizer, drafts):
+    engine = Engine(ModelRunner(target_model, tokenizer), ModelRunner(drafts["same"], tokenizer))
+    r = engine.generate(PROMPTS[0], greedy(n=7, num_tokens=4))[0]
+    assert len(r.token_ids) == 7 and r.finish_reason == "length"
+    ref = reference(target_model, r.prompt_token_ids, 24)
+    # make the 5th greedy token the end-of-sequence token: generation must stop right there
+    eos_tok = make_tokenizer()
+    eos_tok.eos_token = tokenizer.convert_ids_to_tokens(ref[4])
+    engine = Engine(ModelRunner(target_model, eos_tok), ModelRunner(drafts["same"], eos_tok))
+    r = engine.generate(PROMPTS[0], SamplingParams(temperature=0, max_tokens=24, speculation={"num_tokens": 4}))[0]
+    assert r.finish_reason == "stop" and r.token_ids == ref[: ref.index(ref[4])]
+
+
+def test_stop_string_across_token_boundaries(target_model, tokenizer, drafts):
+    engine = Engine(ModelRunner(target_model, tokenizer), ModelRunner(drafts["same"], tokenizer))
+    full = engine.generate(PROMPTS[0], greedy(n=24, num_tokens=4))[0]
+    stop = full.text[9:12]  # three characters = three tokens of the char tokenizer, inside an accepted run
+    cut = full.text.index(stop)
+    r = engine.generate(PROMPTS[0], greedy(n=24, num_tokens=4).model_copy(update={"stop": [stop, "never"]}))[0]
+    assert r.finish_reason == "stop"
+    assert r.text == full.text[:cut]
+    assert r.token_ids == full.token_ids[: cut + len(stop)]
+
+
+def test_context_limit_stops_generation(tokenizer):
+    model = make_model(seed=1, max_positions=40)
+    engine = Engine(ModelRunner(model, tokenizer), ModelRunner(model, tokenizer))
+    r = engine.generate("a" * 30, greedy(n=50, num_tokens=6))[0]
+    assert r.finish_reason == "length" and len(r.prompt_token_ids) + len(r.token_ids) == 40
+    with pytest.raises(ContextLengthError):
+        engine.generate("a" * 45, greedy())
+
+
+@pytest.mark.parametrize("params, param", [
+    ({"max_tokens": 0}, "max_tokens"),
+    ({"max_tokens": -3}, "max_tokens"),
+    ({"top_p": 0.0}, "top_p"),
+    ({"top_p": 1.5}, "top_p"),
+    ({"temperature": -0.1}, "temperature"),
+    ({"speculation": {"num_tokens": -1}}, "speculation.num_tokens"),
+    ({"speculation": {"num_tokens": 99}}, "speculation.num_tokens"),
+    ({"stop": [""]}, "stop"),
+    ({"bogus": 1}, "bogus"),
+])
+def test_bad_parameters_raise_a_typed_error(params, param, target_runner):
+    engine = Engine(target_runner)
+    with pytest.raises(InvalidRequestError) as err:
+        engine.generate("hi", params)
+    assert err.value.param == param
+
+
+def test_empty_prompt_is_rejected(target_runner):
+    with pytest.raises(InvalidRequestError, match="empty"):
+        Engine(target_runner).generate("", {"max_tokens": 4})
+
+
+def test_vocabulary_mismatch_names_the_tokens(target_model, tokenizer):
+    other = make_tokenizer()
+    other.add_tokens(["<extra>"])
+    with pytest.raises(VocabularyMismatchError, match="id 98"):
+        Engine(ModelRunner(target_model, tokenizer), ModelRunner(target_model, other))
+
+
+def test_from_pretrained_local_directories(model_dirs, monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    engine = Engine.from_pretrained(model_dirs["target"], model_dirs["draft"], k_max=4)
+    r = engine.generate(PROMPTS[0], greedy(num_tokens=4))[0]
+    assert r.token_ids == reference(engine.target.model, r.prompt_token_ids, 24)
+    assert r.speculation["drafted_tokens"] > 0

@@ -1,0 +1,77 @@
+"""ModelRunner: prefix reuse, rollback, ragged batches and eviction give a fresh forward's logits."""
+
+import torch
+
+from app.runner import ModelRunner, SeqInput
+
+ATOL = 1e-4
+
+
+def fresh_logits(model, ids: list[int], n: int) -> torch.Tensor:
+    with torch.no_grad():
+        return model(torch.tensor([ids])).logits[0, -n:].float()
+
+
+def random_ids(seed: int, n: int, vocab: int = 98) -> list[int]:
+    return torch.randint(2, vocab, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def test_ragged_batch_matches_fresh_forward(target_runner, target_model):
+    seqs = [SeqInput("a", random_ids(0, 23), 3), SeqInput("b", random_ids(1, 5), 1), SeqInput("c", random_ids(2, 11), 5)]
+    for s, logits in zip(seqs, target_runner.forward(seqs)):
+        torch.testing.assert_close(logits, fresh_logits(target_model, s.token_ids, s.num_logits), atol=ATOL, rtol=0)
+
+
+def test_prefix_reuse_computes_only_the_rest(target_runner, target_model):
+    ids = random_ids(3, 30)
+    target_runner.forward([SeqInput("a", ids[:20])])
+    batch = target_runner.open([SeqInput("a", ids, 2)])
+    assert batch.recomputed == 10  # the 20 cached positions are reused
+    torch.testing.assert_close(batch.logits[0], fresh_logits(target_model, ids, 2), atol=ATOL, rtol=0)
+    batch.close([len(ids)])
+    assert target_runner.cache.get("a").token_ids == ids
+
+
+def test_rollback_after_divergence(target_runner, target_model):
+    ids = random_ids(4, 25)
+    target_runner.forward([SeqInput("a", ids)])
+    diverged = ids[:18] + random_ids(5, 4)  # positions 18.. were "rejected"
+    batch = target_runner.open([SeqInput("a", diverged, 4)])
+    assert batch.recomputed == 4
+    torch.testing.assert_close(batch.logits[0], fresh_logits(target_model, diverged, 4), atol=ATOL, rtol=0)
+    batch.close([20])  # keep only 20 positions
+    assert target_runner.cache.get("a").token_ids == diverged[:20]
+    assert target_runner.cache.get("a").layers[0][0].shape[1] == 20
+
+
+def test_extend_decodes_like_a_fresh_forward(target_runner, target_model):
+    a, b = random_ids(6, 9), random_ids(7, 3)
+    batch = target_runner.open([SeqInput("a", a), SeqInput("b", b)])
+    for step in range(3):
+        logits = batch.extend([10 + step, 20 + step])
+        a, b = a + [10 + step], b + [20 + step]
+        torch.testing.assert_close(logits[0], fresh_logits(target_model, a, 1)[0], atol=ATOL, rtol=0)
+        torch.testing.assert_close(logits[1], fresh_logits(target_model, b, 1)[0], atol=ATOL, rtol=0)
+    batch.close([len(a) - 1, len(b)])
+    assert target_runner.cache.get("a").token_ids == a[:-1]
+
+
+def test_eviction_under_tiny_budget_keeps_logits(target_model, tokenizer):
+    big = ModelRunner(target_model, tokenizer)
+    tiny = ModelRunner(target_model, tokenizer, max_cache_bytes=40_000)
+    seqs = [random_ids(10 + i, 30) for i in range(4)]
+    for round_ in range(3):
+        grown = [s + random_ids(100 + round_, 2) for s in seqs]
+        batch = [SeqInput(str(i), g, 2) for i, g in enumerate(grown)]
+        for x, y in zip(big.forward(batch), tiny.forward(batch)):
+            torch.testing.assert_close(x, y, atol=ATOL, rtol=0)
+        seqs = grown
+        assert tiny.cache.nbytes <= 40_000
+    assert tiny.cache.evictions > 0
+
+
+def test_release_frees_the_cache(target_runner):
+    target_runner.forward([SeqInput("a", random_ids(8, 12))])
+    assert "a" in target_runner.cache and target_runner.cache.nbytes > 0
+    target_runner.release("a")
+    assert "a" not in target_runner.cache and target_runner.cache.nbytes == 0
