@@ -65,5 +65,6 @@ async def run_rounds(
         if proposal.tokens:
             costs.observe(t_draft, len(proposal.tokens), t_verify)
             controller.observe(len(proposal.tokens), verdict.accepted)
-        state.stats.record(verdict.drafted, verdict.accepted, len(verdict.tokens), fallback)
+        state.stats.record(verdict.drafted, verdict.accepted, len(verdict.tokens), fallback,
+                           verdict.stats.get("batch_size", 1))
         yield state.append(verdict.tokens)

@@ -19,9 +19,11 @@ class SpeculationStats:
     fallback_rounds: int = 0
     emitted_tokens: int = 0
     accepted_per_position: list[int] = field(default_factory=list)
+    max_target_batch: int = 0
 
-    def record(self, drafted: int, accepted: int, emitted: int, fallback: bool = False) -> None:
+    def record(self, drafted: int, accepted: int, emitted: int, fallback: bool = False, batch_size: int = 1) -> None:
         self.rounds += 1
+        self.max_target_batch = max(self.max_target_batch, batch_size)
         self.drafted_tokens += drafted
         self.accepted_tokens += accepted
         self.emitted_tokens += emitted
@@ -41,6 +43,7 @@ class SpeculationStats:
             # tokens per target forward, the bonus/recovered token included (tau)
             "mean_accepted_length": self.emitted_tokens / self.rounds if self.rounds else 0.0,
             "fallback_rounds": self.fallback_rounds,
+            "max_target_batch_size": self.max_target_batch,  # the largest verify batch this request rode in
         }
 
 

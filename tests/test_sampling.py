@@ -151,11 +151,6 @@ def test_mixed_rows_each_get_their_own_params():
     assert int((batched[2] > 0).sum()) == 3
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "BUG app/sampling.py _truncate: a top_p = 1 row is still masked where mass_before >= 1.0; in float32 "
-    "the cumulative mass reaches 1.0 before the tail, so tail tokens get p = 0 whenever another row of the "
-    "batch (or the row's own top_k) triggers sorting, and keep p > 0 otherwise: the support depends on the "
-    "batch. Fix: apply the top-p mask only where top_p < 1."))
 def test_top_p_one_keeps_the_tail_whatever_the_batch():
     logits = torch.tensor([[10.0, 0.0, -12.0], [10.0, 0.0, -12.0]])
     alone = process_logits(logits[:1], *params(1))

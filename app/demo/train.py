@@ -27,13 +27,14 @@ class ModelShape:
     hidden: int
     intermediate: int
     heads: int
+    tied: bool = False  # share the embedding with the LM head: saves vocab x hidden params
 
     def config(self, vocab_size: int, max_positions: int) -> LlamaConfig:
         return LlamaConfig(
             vocab_size=vocab_size, hidden_size=self.hidden, intermediate_size=self.intermediate,
             num_hidden_layers=self.layers, num_attention_heads=self.heads,
             num_key_value_heads=self.heads, max_position_embeddings=max_positions,
-            tie_word_embeddings=False, bos_token_id=0, eos_token_id=1, pad_token_id=1,
+            tie_word_embeddings=self.tied, bos_token_id=0, eos_token_id=1, pad_token_id=1,
         )
 
 
@@ -57,14 +58,14 @@ PLANS = {
     "full": BuildPlan(
         vocab_size=4096, seq_len=256, tokenizer_chars=3_000_000,
         target=ModelShape(layers=8, hidden=512, intermediate=1536, heads=8),
-        draft=ModelShape(layers=1, hidden=256, intermediate=768, heads=4),
-        target_steps=600, draft_steps=600, batch=16, target_lr=1.5e-3, draft_lr=3e-3,
+        draft=ModelShape(layers=1, hidden=256, intermediate=768, heads=4, tied=True),
+        target_steps=100, draft_steps=150, batch=16, target_lr=2e-3, draft_lr=3e-3,
     ),
     # Seconds to build; for tests of the build and load path, not for measuring speculation.
     "quick": BuildPlan(
         vocab_size=1024, seq_len=128, tokenizer_chars=400_000,
         target=ModelShape(layers=2, hidden=256, intermediate=512, heads=4),
-        draft=ModelShape(layers=1, hidden=64, intermediate=128, heads=2),
+        draft=ModelShape(layers=1, hidden=64, intermediate=128, heads=2, tied=True),
         target_steps=30, draft_steps=30, batch=8, target_lr=3e-3, draft_lr=3e-3,
     ),
 }
@@ -101,9 +102,9 @@ def _first_chars(texts: list[str], n: int) -> list[str]:
 
 def encode_corpus(tok: PreTrainedTokenizerFast, texts: list[str]) -> torch.Tensor:
     """All documents as one token stream, each as BOS text EOS. Returns [N] int64."""
-    ids = tok(texts, add_special_tokens=True)["input_ids"]
+    encodings = tok.backend_tokenizer.encode_batch(texts)  # BOS is added by the post-processor
     eos = tok.eos_token_id
-    return torch.tensor([t for doc in ids for t in (*doc, eos)], dtype=torch.long)
+    return torch.tensor([t for e in encodings for t in (*e.ids, eos)], dtype=torch.long)
 
 
 def sample_batch(stream: torch.Tensor, batch: int, seq_len: int, gen: torch.Generator) -> torch.Tensor:

@@ -1,0 +1,504 @@
+"""The in-process benchmark: one pair, the same prompts, greedy, one request at a time.
+
+Modes (each after one warm-up):
+    target          speculation off (K = 0) through the same engine: the baseline and the reference
+    spec-k2/4/6     speculative decoding, K fixed
+    spec-auto       speculative decoding, K chosen by the controller
+    hf-assisted     Hugging Face assisted generation with the same loaded models, its defaults
+    hf-assisted-k4  ... with K matched: 4 assistant tokens, constant schedule, no confidence stop
+    hf-target       Hugging Face `generate` of the target alone: a sanity reference
+
+Terms of the report:
+    TTFT   time to the first output token; TPOT (end - TTFT) / (tokens - 1), per request
+    ITL    time between consecutive streamed chunks (a round streams all its tokens at once)
+    tau    tokens per target forward, the bonus / recovered token included
+    alpha  per-token acceptance, maximum likelihood: accepted / (accepted + rejections); the
+           engine's acceptance_rate = accepted / drafted is biased low by runs cut at a rejection
+    c      draft step / target step, timed directly (batch 1, one token over a KV cache)
+    bound  Leviathan's expected speed-up for (alpha, K, c); efficiency = measured speed-up / bound
+
+Greedy output of every mode of ours must be token-identical to `target`; a difference fails the
+benchmark (ExactnessError). Hugging Face modes are compared too, and their differences reported.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import copy
+import json
+import statistics
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+from tqdm.auto import tqdm
+from transformers import DynamicCache
+from transformers.generation.streamers import BaseStreamer
+
+from app.controller import CostEstimator, expected_speedup
+from app.engine import Engine
+from app.params import SamplingParams
+
+
+@dataclass(frozen=True)
+class Mode:
+    """One way of generating: through our engine (`speculation`) or Hugging Face (`assistant`)."""
+
+    name: str
+    speculation: dict | None = None  # engine modes: SamplingParams.speculation
+    assistant: dict | None = None  # HF modes: assistant generation_config overrides; None = no assistant
+    hf: bool = False
+
+
+K_MATCHED = {"num_assistant_tokens": 4, "num_assistant_tokens_schedule": "constant",
+             "assistant_confidence_threshold": 0.0}
+MODES = {m.name: m for m in [
+    Mode("target", speculation={"enabled": False}),
+    Mode("spec-k2", speculation={"num_tokens": 2}),
+    Mode("spec-k4", speculation={"num_tokens": 4}),
+    Mode("spec-k6", speculation={"num_tokens": 6}),
+    Mode("spec-auto", speculation={"num_tokens": "auto"}),
+    Mode("hf-assisted", assistant={}, hf=True),
+    Mode("hf-assisted-k4", assistant=K_MATCHED, hf=True),
+    Mode("hf-target", hf=True),
+]}
+WARMUP_TOKENS = 32  # enough rounds to warm allocators, kernels and the cost estimator
+
+
+class ExactnessError(RuntimeError):
+    """A greedy output of ours differs from plain greedy decoding of the target."""
+
+
+@dataclass
+class Round:
+    """One target forward of an engine request."""
+
+    drafted: int
+    accepted: int
+    emitted: int
+
+
+@dataclass
+class PromptRun:
+    """One request's output and timings (seconds from its start)."""
+
+    tokens: list[int]
+    seconds: float
+    chunk_times: list[float]  # when each token-bearing chunk arrived
+    chunk_sizes: list[int]
+    rounds: list[Round] = field(default_factory=list)  # engine modes only
+
+    @property
+    def ttft(self) -> float:
+        return self.chunk_times[0]
+
+    @property
+    def tpot(self) -> float | None:
+        n = len(self.tokens)
+        return (self.seconds - self.ttft) / (n - 1) if n > 1 else None
+
+    @property
+    def itls(self) -> list[float]:
+        return list(np.diff(self.chunk_times))
+
+
+# --- running one request -------------------------------------------------------------------
+
+
+def run_engine(engine: Engine, ids: list[int], mode: Mode, max_tokens: int) -> PromptRun:
+    """Generate through the engine, recording each round's tokens and time."""
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, speculation=mode.speculation)
+    return asyncio.run(_run_engine(engine, engine.new_request(ids, params)))
+
+
+async def _run_engine(engine: Engine, state) -> PromptRun:
+    stats, run = state.stats, PromptRun([], 0.0, [], [])
+    seen = (0, 0, 0)
+    t0 = time.perf_counter()
+    async for kept in engine.stream(state):
+        now = time.perf_counter() - t0
+        totals = (stats.drafted_tokens, stats.accepted_tokens, stats.emitted_tokens)
+        run.rounds.append(Round(*(a - b for a, b in zip(totals, seen))))
+        seen = totals
+        if kept:
+            run.chunk_times.append(now)
+            run.chunk_sizes.append(len(kept))
+    run.seconds = time.perf_counter() - t0
+    run.tokens = list(state.output_ids)
+    return run
+
+
+class _ChunkClock(BaseStreamer):
+    """A streamer that only notes when each chunk of new tokens arrives (the first put is the prompt)."""
+
+    def __init__(self, t0: float):
+        self.t0, self.times, self.sizes, self._prompt = t0, [], [], True
+
+    def put(self, value: torch.Tensor) -> None:
+        if self._prompt:
+            self._prompt = False
+            return
+        self.times.append(time.perf_counter() - self.t0)
+        self.sizes.append(value.numel())
+
+    def end(self) -> None:
+        pass
+
+
+@torch.inference_mode()
+def run_hf(engine: Engine, ids: list[int], mode: Mode, max_tokens: int) -> PromptRun:
+    """Generate with Hugging Face `generate` on the engine's loaded models, EOS ignored like ours."""
+    target, draft = engine.target.model, engine.draft.model if mode.assistant is not None else None
+    input_ids = torch.tensor([ids], device=engine.target.device)
+    pad = engine.tokenizer.pad_token_id if engine.tokenizer.pad_token_id is not None else 0
+    saved = copy.deepcopy(draft.generation_config) if draft is not None else None
+    try:
+        if draft is not None:
+            # HF reads K, its schedule and the confidence stop from the *assistant's* config
+            for key, value in mode.assistant.items():
+                setattr(draft.generation_config, key, value)
+        t0 = time.perf_counter()
+        clock = _ChunkClock(t0)
+        out = target.generate(input_ids, attention_mask=torch.ones_like(input_ids), assistant_model=draft,
+                              do_sample=False, max_new_tokens=max_tokens, eos_token_id=None, pad_token_id=pad,
+                              streamer=clock)
+        seconds = time.perf_counter() - t0
+    finally:
+        if draft is not None:
+            draft.generation_config = saved
+    return PromptRun(out[0, len(ids):].tolist(), seconds, clock.times, clock.sizes)
+
+
+def run_one(engine: Engine, ids: list[int], mode: Mode, max_tokens: int) -> PromptRun:
+    return (run_hf if mode.hf else run_engine)(engine, ids, mode, max_tokens)
+
+
+# --- the cost ratio ------------------------------------------------------------------------
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+@torch.inference_mode()
+def forward_ms(model, context: int, new_tokens: int = 1, steps: int = 20) -> float:
+    """Median ms of one forward of `new_tokens` tokens over a KV cache of ~`context`, batch 1."""
+    device = next(model.parameters()).device
+    ids = torch.randint(2, model.config.vocab_size, (1, context + new_tokens * (steps + 3)), device=device)
+    cache = DynamicCache()
+    model(ids[:, :context], past_key_values=cache, use_cache=True)
+    times, pos = [], context
+    for _ in range(steps + 3):
+        _sync(device)
+        t0 = time.perf_counter()
+        model(ids[:, pos:pos + new_tokens], past_key_values=cache, use_cache=True)
+        _sync(device)
+        times.append(time.perf_counter() - t0)
+        pos += new_tokens
+    return statistics.median(times[3:]) * 1e3  # the first steps warm up allocators
+
+
+def measure_costs(engine: Engine, context: int, ks: list[int], steps: int = 20) -> dict:
+    """Draft step, target step and target verify (K+1 tokens) times; c = draft / target step."""
+    target_ms = forward_ms(engine.target.model, context, 1, steps)
+    draft_ms = forward_ms(engine.draft.model, context, 1, steps)
+    verify = {k: forward_ms(engine.target.model, context, k + 1, steps) for k in sorted(set(ks))}
+    return {"context": context, "target_step_ms": target_ms, "draft_step_ms": draft_ms,
+            "target_verify_ms": verify, "c": draft_ms / target_ms}
+
+
+# --- summarising ---------------------------------------------------------------------------
+
+
+def _pcts(values: list[float]) -> dict:
+    if not values:
+        return {"p50": None, "p99": None}
+    return {"p50": float(np.percentile(values, 50)) * 1e3, "p99": float(np.percentile(values, 99)) * 1e3}
+
+
+def _bound(alpha: float, mean_k: float, c: float) -> float:
+    """Leviathan's expected speed-up; a fractional mean K interpolates between its neighbours."""
+    lo = int(mean_k)
+    frac = mean_k - lo
+    low = expected_speedup(alpha, lo, c)
+    return low if frac < 1e-9 else (1 - frac) * low + frac * expected_speedup(alpha, lo + 1, c)
+
+
+def speculation_summary(runs: list[PromptRun], c: float) -> dict:
+    """tau, acceptance (overall, per position, MLE alpha), mean K and the bound over all rounds."""
+    rounds = [r for run in runs for r in run.rounds]
+    drafted = sum(r.drafted for r in rounds)
+    accepted = sum(r.accepted for r in rounds)
+    rejections = sum(1 for r in rounds if r.accepted < r.drafted)
+    depth = max((r.drafted for r in rounds), default=0)
+    by_position = [sum(r.accepted > j for r in rounds) / max(1, sum(r.drafted > j for r in rounds))
+                   for j in range(depth)]
+    alpha = accepted / (accepted + rejections) if drafted else 0.0
+    mean_k = drafted / len(rounds) if rounds else 0.0
+    return {
+        "rounds": len(rounds),
+        "tau": sum(r.emitted for r in rounds) / len(rounds) if rounds else None,
+        "acceptance_rate": accepted / drafted if drafted else None,
+        "alpha": alpha if drafted else None,
+        "acceptance_by_position": by_position,
+        "mean_k": mean_k,
+        "bound": _bound(alpha, mean_k, c),
+    }
+
+
+def summarize(mode: Mode, runs: list[PromptRun], costs: dict) -> dict:
+    """One mode's row of the report (speed-up, efficiency and identity are filled in later)."""
+    tokens = sum(len(r.tokens) for r in runs)
+    row = {
+        "output_tokens": tokens,
+        "seconds": sum(r.seconds for r in runs),
+        "output_tokens_per_s": tokens / sum(r.seconds for r in runs),
+        "ttft_ms": _pcts([r.ttft for r in runs]),
+        "tpot_ms": _pcts([r.tpot for r in runs if r.tpot is not None]),
+        "itl_ms": _pcts([x for r in runs for x in r.itls]),
+        "c_measured": costs["c"],
+        "c_estimator": None,
+    }
+    if not mode.hf:
+        row |= speculation_summary(runs, costs["c"])
+    else:
+        chunks = [s for r in runs for s in r.chunk_sizes]
+        row |= {"rounds": len(chunks), "tau": sum(chunks) / len(chunks), "acceptance_rate": None, "alpha": None,
+                "acceptance_by_position": [], "mean_k": None, "bound": None}
+    return row
+
+
+def mismatches(runs: list[PromptRun], reference: list[PromptRun], prompt_ids: list[str]) -> list[dict]:
+    """Where each output first differs from the reference's, per prompt."""
+    found = []
+    for pid, run, ref in zip(prompt_ids, runs, reference):
+        if run.tokens != ref.tokens:
+            at = next((i for i, (a, b) in enumerate(zip(run.tokens, ref.tokens)) if a != b),
+                      min(len(run.tokens), len(ref.tokens)))
+            found.append({"prompt": pid, "position": at, "expected": ref.tokens[at:at + 4],
+                          "got": run.tokens[at:at + 4], "lengths": [len(run.tokens), len(ref.tokens)]})
+    return found
+
+
+# --- the benchmark -------------------------------------------------------------------------
+
+
+def fit_prompts(engine: Engine, prompts: list[str], max_tokens: int) -> list[list[int]]:
+    """Tokenize; keep each prompt's last tokens when prompt + max_tokens would pass a context limit."""
+    limit = min(engine.target.max_context, engine.draft.max_context) - max_tokens - 1
+    if limit < 1:
+        raise ValueError(f"--max-tokens {max_tokens} leaves no room for a prompt in the context "
+                         f"of {limit + max_tokens + 1} tokens: lower it")
+    ids = [engine.tokenizer(p, add_special_tokens=True)["input_ids"] for p in prompts]
+    return [i[-limit:] for i in ids]
+
+
+def run_bench(engine: Engine, prompts: list[str], prompt_names: list[str], modes: list[str],
+              max_tokens: int, progress: bool = True, cost_steps: int = 20) -> dict:
+    """Run every mode over every prompt (after a warm-up each); returns the report."""
+    modes = ["target"] + [m for m in modes if m != "target"]  # the reference runs first
+    ids = fit_prompts(engine, prompts, max_tokens)
+    context = int(statistics.median(len(i) for i in ids)) + max_tokens // 2
+    costs = measure_costs(engine, context, [2, 4, 6], cost_steps)
+    report = {"config": {"max_tokens": max_tokens, "prompts": len(ids), "modes": modes,
+                         "target_dtype": str(engine.target.model.dtype), "draft_dtype": str(engine.draft.model.dtype),
+                         "device": str(engine.target.device), "threads": torch.get_num_threads()},
+              "costs": costs, "modes": {}}
+    runs_by_mode: dict[str, list[PromptRun]] = {}
+    with tqdm(total=len(modes) * (len(ids) + 1), desc="bench", unit="req", disable=not progress,
+              dynamic_ncols=True) as bar:
+        for name in modes:
+            mode = MODES[name]
+            bar.set_description(f"bench {name}")
+            engine.costs = CostEstimator()  # each mode's estimate of c is its own
+            run_one(engine, ids[0], mode, min(max_tokens, WARMUP_TOKENS))
+            bar.update(1)
+            runs = []
+            for i in ids:
+                runs.append(run_one(engine, i, mode, max_tokens))
+                bar.update(1)
+            runs_by_mode[name] = runs
+            row = summarize(mode, runs, costs)
+            if not mode.hf and name != "target":
+                row["c_estimator"] = engine.costs.c
+            found = mismatches(runs, runs_by_mode["target"], prompt_names)
+            row["identical"], row["mismatches"] = not found, found
+            report["modes"][name] = row
+            if found and not mode.hf:
+                m = found[0]
+                raise ExactnessError(
+                    f"mode {name}: greedy output differs from target-only on {len(found)} prompt(s); first on "
+                    f"prompt {m['prompt']!r} at output token {m['position']}: expected {m['expected']}, "
+                    f"got {m['got']}")
+    _relative(report)
+    return report
+
+
+def _relative(report: dict) -> None:
+    """Speed-up over target-only and efficiency against the bound."""
+    base = report["modes"]["target"]["output_tokens_per_s"]
+    for row in report["modes"].values():
+        row["speedup"] = row["output_tokens_per_s"] / base
+        row["efficiency"] = row["speedup"] / row["bound"] if row["bound"] else None
+    report["identity_passed"] = all(r["identical"] for n, r in report["modes"].items() if not MODES[n].hf)
+
+
+# --- output --------------------------------------------------------------------------------
+
+
+def _fmt(x, spec: str = ".2f") -> str:
+    return "-" if x is None else format(x, spec)
+
+
+def format_table(report: dict) -> str:
+    """The report as a fixed-width table, per-position acceptance and costs below it."""
+    head = (f"{'mode':<15}{'tok/s':>8}{'x':>6}{'TTFT p50/p99':>15}{'TPOT p50/p99':>15}{'ITL p50/p99':>15}"
+            f"{'tau':>6}{'acc':>6}{'alpha':>6}{'K':>5}{'c_est':>7}{'bound':>7}{'eff':>6}  same")
+    lines = [head, "-" * len(head)]
+    for name, r in report["modes"].items():
+        pair = lambda d: f"{_fmt(d['p50'], '.1f')}/{_fmt(d['p99'], '.1f')}"  # noqa: E731
+        lines.append(
+            f"{name:<15}{r['output_tokens_per_s']:>8.1f}{r['speedup']:>6.2f}{pair(r['ttft_ms']):>15}"
+            f"{pair(r['tpot_ms']):>15}{pair(r['itl_ms']):>15}{_fmt(r['tau']):>6}{_fmt(r['acceptance_rate']):>6}"
+            f"{_fmt(r['alpha']):>6}{_fmt(r['mean_k'], '.1f'):>5}{_fmt(r['c_estimator'], '.3f'):>7}"
+            f"{_fmt(r['bound']):>7}{_fmt(r['efficiency']):>6}  {'yes' if r['identical'] else 'NO'}")
+    lines.append("")
+    for name, r in report["modes"].items():
+        if r["acceptance_by_position"]:
+            lines.append(f"acceptance by position  {name:<10} "
+                         + " ".join(f"{a:.2f}" for a in r["acceptance_by_position"]))
+    c = report["costs"]
+    verify = ", ".join(f"K={k}: {v:.2f}" for k, v in c["target_verify_ms"].items())
+    lines.append(f"costs at context {c['context']}: target step {c['target_step_ms']:.2f} ms, draft step "
+                 f"{c['draft_step_ms']:.2f} ms, c = {c['c']:.3f}; target verify (K+1 tokens) {verify} ms")
+    for name, r in report["modes"].items():
+        for m in r["mismatches"][:3]:
+            lines.append(f"MISMATCH {name}: prompt {m['prompt']} at token {m['position']}: "
+                         f"expected {m['expected']} got {m['got']} (lengths {m['lengths']})")
+    return "\n".join(lines)
+
+
+def plot(report: dict, path: str) -> None:
+    """Two panels: output tokens/s by mode; acceptance by draft position for the speculative modes."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = report["modes"]
+    fig, (speed, accept) = plt.subplots(1, 2, figsize=(12, 4.5))
+    names = list(rows)
+    colors = ["tab:gray" if n == "target" else "tab:orange" if MODES[n].hf else "tab:blue" for n in names]
+    bars = speed.bar(names, [rows[n]["output_tokens_per_s"] for n in names], color=colors)
+    speed.bar_label(bars, labels=[f"{rows[n]['speedup']:.2f}x" for n in names], fontsize=8)
+    speed.set_ylabel("output tokens/s")
+    speed.set_title("throughput, single stream")
+    speed.tick_params(axis="x", rotation=30)
+    for n in names:
+        acc = rows[n]["acceptance_by_position"]
+        if acc:
+            accept.plot(range(1, len(acc) + 1), acc, marker="o", label=n)
+    accept.set_xlabel("draft position j")
+    accept.set_ylabel("P(accepted at j | drafted >= j)")
+    accept.set_ylim(0, 1.02)
+    accept.set_title("acceptance by position")
+    if accept.lines:
+        accept.legend()
+    cfg = report["config"]
+    fig.suptitle(f"{cfg['prompts']} prompts x {cfg['max_tokens']} tokens, greedy; target {cfg['target_dtype']}, "
+                 f"draft {cfg['draft_dtype']}, {cfg['device']}, {cfg['threads']} threads", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+# --- the command ---------------------------------------------------------------------------
+
+
+def load_prompts(path: str | None, num: int | None) -> tuple[list[str], list[str]]:
+    """(prompts, names): a jsonl file with a "prompt" field, plain text lines, or the held-out set."""
+    if path is None:
+        from app.demo.corpus import load_heldout_prompts
+
+        items = [(p["prompt"], p.get("id", str(i))) for i, p in enumerate(load_heldout_prompts())]
+    else:
+        items = []
+        for i, line in enumerate(Path(path).read_text().splitlines()):
+            if not line.strip():
+                continue
+            try:
+                obj = json.loads(line)
+            except json.JSONDecodeError:
+                obj = None
+            if isinstance(obj, dict) and "prompt" in obj:
+                items.append((obj["prompt"], str(obj.get("id", i))))
+            else:
+                items.append((line, str(i)))
+    items = items[:num] if num else items
+    if not items:
+        raise ValueError(f"no prompts in {path or 'the held-out set'}")
+    return [p for p, _ in items], [n for _, n in items]
+
+
+def add_bench_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """The options of `specserve bench`."""
+    p.add_argument("--prompts", help="jsonl with a \"prompt\" field, or plain text lines (default: held-out set)")
+    p.add_argument("--num-prompts", type=int, help="use only the first N prompts")
+    p.add_argument("--max-tokens", type=int, default=128, help="output tokens per request (EOS ignored)")
+    p.add_argument("--target", help="target model: hub id or local directory (default: the demo target)")
+    p.add_argument("--draft", help="draft model: hub id or local directory (default: the demo draft)")
+    p.add_argument("--quick", action="store_true", help="use the small, quickly built demo pair")
+    p.add_argument("--dtype", default="bfloat16", help="target dtype: float32, bfloat16, float16 or auto")
+    p.add_argument("--draft-dtype", default="float32", help="draft dtype")
+    p.add_argument("--device", default="cpu", help="torch device of both models")
+    p.add_argument("--modes", default=",".join(MODES), help=f"comma-separated subset of: {', '.join(MODES)}")
+    p.add_argument("--json", help="write the report as JSON here")
+    p.add_argument("--plot", default="bench.png", help="write the two-panel plot here (PNG)")
+    p.add_argument("--url", help="benchmark a running server over HTTP (not yet available)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    return p
+
+
+def _load(args) -> Engine:
+    target, draft = args.target, args.draft
+    if not target or not draft:
+        from app.demo import demo_pair
+
+        demo_target, demo_draft = demo_pair(quick=args.quick)
+        target, draft = target or demo_target, draft or demo_draft
+    return Engine.from_pretrained(target, draft, dtype=args.dtype, draft_dtype=args.draft_dtype, device=args.device)
+
+
+def bench_cli(args) -> int:
+    """`specserve bench`: run the modes, print the table, write --json and --plot; 1 on a mismatch."""
+    if args.url:
+        print("error: --url (benchmarking a server over HTTP) is not available yet; run without it to "
+              "benchmark in process", file=sys.stderr)
+        return 2
+    modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+    unknown = [m for m in modes if m not in MODES]
+    if unknown:
+        print(f"error: unknown mode(s) {', '.join(unknown)}; choose from {', '.join(MODES)}", file=sys.stderr)
+        return 2
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.set_verbosity_error()  # HF's per-call generation notices would drown the table
+    prompts, names = load_prompts(args.prompts, args.num_prompts)
+    engine = _load(args)
+    try:
+        report = run_bench(engine, prompts, names, modes, args.max_tokens, progress=not args.no_progress)
+    except ExactnessError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    print(format_table(report))
+    if args.json:
+        Path(args.json).write_text(json.dumps(report, indent=2))
+    if args.plot:
+        plot(report, args.plot)
+        print(f"plot: {args.plot}")
+    return 0

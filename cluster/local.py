@@ -1,0 +1,105 @@
+"""A local multi-node Ray cluster: nodes offering draft_pool or target_pool, like KubeRay's worker groups.
+
+Ray's own `ray.cluster_utils.Cluster` starts the nodes (several raylets on one machine); this
+module adds the pools and deploys a Serve config onto them the way `serve run` does.
+"""
+
+import copy
+import os
+import time
+from pathlib import Path
+
+import yaml
+
+CONFIG = Path(__file__).with_name("serve_config.yaml")
+DRAFT_POOL, TARGET_POOL = "draft_pool", "target_pool"
+
+
+class LocalCluster:
+    """Head node = target pool; `draft_nodes` more nodes = draft pool. Use as a context manager."""
+
+    def __init__(self, draft_nodes: int = 1, cpus_per_node: int = 4, pool_slots: int = 8):
+        self.draft_nodes, self.cpus, self.slots = draft_nodes, cpus_per_node, pool_slots
+        self.cluster = None
+
+    def __enter__(self) -> "LocalCluster":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.shutdown()
+
+    def start(self) -> "LocalCluster":
+        # token auth would need the same token on every node; locally all nodes are this machine
+        os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+        import ray
+        from ray.cluster_utils import Cluster
+
+        common = {"num_cpus": self.cpus, "include_dashboard": False}
+        self.cluster = Cluster(initialize_head=True, connect=False,
+                               head_node_args={**common, "resources": {TARGET_POOL: self.slots}})
+        for _ in range(self.draft_nodes):
+            self.cluster.add_node(num_cpus=self.cpus, resources={DRAFT_POOL: self.slots})
+        self.cluster.wait_for_nodes()
+        ray.init(address=self.cluster.address, namespace="specserve", log_to_driver=False)
+        return self
+
+    @property
+    def address(self) -> str:
+        return self.cluster.address
+
+    def shutdown(self) -> None:
+        import ray
+        from ray import serve
+
+        if self.cluster is None:
+            return
+        try:
+            serve.shutdown()
+        finally:
+            ray.shutdown()
+            self.cluster.shutdown()
+            self.cluster = None
+
+
+def load_config(path: str | Path = CONFIG, args: dict | None = None, deployments: dict | None = None,
+                port: int | None = None, host: str | None = None) -> dict:
+    """The Serve config with overrides: `args` merged into the app's args, per-deployment option dicts."""
+    config = yaml.safe_load(Path(path).read_text())
+    app = config["applications"][0]
+    app["args"] = _merge(app.get("args") or {}, args or {})
+    for d in app.get("deployments", []):
+        d.update((deployments or {}).get(d["name"], {}))
+    if port is not None:
+        config["http_options"]["port"] = port
+    if host is not None:
+        config["http_options"]["host"] = host
+    return config
+
+
+def _merge(base: dict, extra: dict) -> dict:
+    out = copy.deepcopy(base)
+    for k, v in extra.items():
+        out[k] = _merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+    return out
+
+
+def deploy(config: dict, timeout_s: float = 600) -> None:
+    """Deploy a Serve config dict on the connected cluster and wait until it runs (as `serve run` does)."""
+    from ray import serve
+    from ray.serve._private import api as serve_api  # what `serve run CONFIG` calls; no public equivalent
+    from ray.serve.schema import ServeDeploySchema
+
+    schema = ServeDeploySchema.model_validate(config) if hasattr(ServeDeploySchema, "model_validate") \
+        else ServeDeploySchema.parse_obj(config)
+    client = serve_api.serve_start(http_options=config.get("http_options", {}))
+    client.deploy_apps(schema, _blocking=False)
+    name = config["applications"][0]["name"]
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        app = serve.status().applications.get(name)
+        if app is not None and app.status == "RUNNING":
+            return
+        if app is not None and app.status in ("DEPLOY_FAILED", "UNHEALTHY"):
+            raise RuntimeError(f"application {name} failed: {app.message}")
+        time.sleep(0.5)
+    raise TimeoutError(f"application {name} not running after {timeout_s}s")

@@ -1,0 +1,57 @@
+"""build_app: the Serve application (Ingress -> Router -> DraftServer / TargetServer) from typed args.
+
+Deployment options here are defaults; the Serve config's `deployments:` entries override them
+(replicas, autoscaling_config, ray_actor_options, max_ongoing_requests, health checks).
+"""
+
+from pathlib import Path
+
+from ray import serve
+from ray.serve import Application
+from ray.serve.config import RequestRouterConfig
+from transformers import AutoConfig
+
+from deployments.affinity import SessionAffinityRouter
+from deployments.config import AppConfig
+from deployments.ingress import Ingress
+from deployments.router import Router
+from deployments.servers import DraftServer, TargetServer
+
+
+def resolve_models(cfg: AppConfig) -> tuple[str, str | None]:
+    """Model paths; unnamed models come from the demo pair (built on first use)."""
+    target, draft = cfg.target.model, cfg.draft.model if cfg.draft else None
+    if target is None or (cfg.draft is not None and draft is None):
+        from app.demo import demo_pair
+
+        demo_target, demo_draft = demo_pair(quick=cfg.demo_quick)
+        target = target or demo_target
+        draft = draft or (demo_draft if cfg.draft is not None else None)
+    return target, draft
+
+
+def build_app(args: dict) -> Application:
+    """The specserve application; `args` is AppConfig (the `args` of cluster/serve_config.yaml)."""
+    cfg = AppConfig.model_validate(args or {})
+    target_path, draft_path = resolve_models(cfg)
+    max_context = getattr(AutoConfig.from_pretrained(target_path), "max_position_embeddings", None) or 1 << 30
+    name = cfg.served_model_name or Path(target_path.rstrip("/")).name
+    affinity = RequestRouterConfig(request_router_class=SessionAffinityRouter)
+
+    draft = None
+    if draft_path:
+        draft = serve.deployment(
+            DraftServer, name="DraftServer", max_ongoing_requests=64, ray_actor_options={"num_cpus": 0.25},
+            request_router_config=affinity, health_check_period_s=5, health_check_timeout_s=30,
+        ).bind(cfg.draft, draft_path, cfg.draft_batch, cfg.speculation.draft_top_n)
+    target = serve.deployment(
+        TargetServer, name="TargetServer", max_ongoing_requests=128, ray_actor_options={"num_cpus": 0.25},
+        request_router_config=affinity, health_check_period_s=5, health_check_timeout_s=30,
+    ).bind(cfg.target, target_path, cfg.target_batch)
+    router = serve.deployment(
+        Router, name="Router", max_ongoing_requests=256, ray_actor_options={"num_cpus": 0.1},
+    ).bind(draft, target, cfg, target_path, max_context)
+    ingress = serve.deployment(
+        Ingress, name="Ingress", max_ongoing_requests=256, ray_actor_options={"num_cpus": 0.1},
+    ).bind(router, cfg, target_path, name, max_context)
+    return ingress

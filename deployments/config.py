@@ -1,0 +1,76 @@
+"""Typed `args` of build_app: the application section of the Serve config."""
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class ModelConfig(BaseModel):
+    """One model of the pair."""
+
+    model_config = ConfigDict(extra="forbid", protected_namespaces=())
+
+    model: str | None = Field(None, description="Hub id or local directory; None = the demo pair's model.")
+    dtype: str = Field("float32", description="float32, bfloat16, float16 or auto.")
+    device: str = Field("auto", description="torch device; auto = cuda when available, else cpu.")
+    max_cache_bytes: int = Field(1 << 30, gt=0, description="KV cache budget per replica, bytes (LRU beyond).")
+    trust_remote_code: bool = Field(False, description="Run code shipped with the weights; off unless you trust them.")
+
+
+class TargetConfig(ModelConfig):
+    """The target model; tensor-parallel across the GPUs of one node when tensor_parallel_size > 1."""
+
+    dtype: str = Field("bfloat16", description="float32, bfloat16, float16 or auto.")
+    tensor_parallel_size: int = Field(1, ge=1, description="Rank workers (one GPU each) per TargetServer replica.")
+
+
+class SpeculationConfig(BaseModel):
+    """Speculation defaults; requests may pin K or turn speculation off."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    k_max: int = Field(8, ge=0, le=32, description="Largest K chosen by the controller or pinned by a request.")
+    default_num_tokens: int | Literal["auto"] = Field("auto", description="K when a request does not say.")
+    draft_top_n: int = Field(32, ge=0, description="Draft distribution truncated to its top-N (exact; 0 = full).")
+    draft_timeout_s: float = Field(2.0, gt=0, description="A propose slower than this falls back to a target step.")
+    draft_retry_after_s: float = Field(5.0, gt=0, description="After a draft failure, plain target steps this long.")
+    verify_saturation_tokens: int = Field(
+        256, gt=0, description="Tokens per target batch beyond which verifying more costs time (load-aware K).")
+
+
+class BatchConfig(BaseModel):
+    """@serve.batch settings of one server."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    max_batch_size: int = Field(16, ge=1, description="Most calls fused into one forward.")
+    batch_wait_timeout_s: float = Field(0.002, ge=0, description="How long a batch waits to fill.")
+
+
+class LimitsConfig(BaseModel):
+    """Request limits enforced by the ingress."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    max_tokens_cap: int = Field(4096, ge=1, description="Largest max_tokens a request may ask for.")
+    default_max_tokens: int = Field(16, ge=1, description="max_tokens when a request does not say (OpenAI's 16).")
+    request_timeout_s: float = Field(300.0, gt=0, description="A request past this ends with 408.")
+    max_body_bytes: int = Field(1 << 20, gt=0, description="Larger request bodies get 413.")
+    target_retries: int = Field(3, ge=0, description="Retries of a verify whose replica died.")
+
+
+class AppConfig(BaseModel):
+    """Everything build_app needs; the `args` of cluster/serve_config.yaml."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    target: TargetConfig = Field(default_factory=TargetConfig, description="The target model.")
+    draft: ModelConfig | None = Field(default_factory=ModelConfig, description="The draft; null = no speculation.")
+    demo_quick: bool = Field(False, description="Use the small quick demo pair when no model is named.")
+    served_model_name: str | None = Field(None, description="Name in /v1/models; default: the target's name.")
+    speculation: SpeculationConfig = Field(default_factory=SpeculationConfig, description="Speculation defaults.")
+    draft_batch: BatchConfig = Field(default_factory=BatchConfig, description="DraftServer batching.")
+    target_batch: BatchConfig = Field(
+        default_factory=lambda: BatchConfig(max_batch_size=32), description="TargetServer batching.")
+    limits: LimitsConfig = Field(default_factory=LimitsConfig, description="Request limits.")
+    api_key_env: str = Field("SPECSERVE_API_KEY", description="Environment variable holding the API key, if any.")

@@ -1,0 +1,244 @@
+"""OpenAI-compatible HTTP ingress: auth, validation, chat template, tokenization, SSE streaming.
+
+Errors always take OpenAI's body ({"error": {message, type, param, code}}) with the right status:
+400 invalid parameters (never FastAPI's 422), 401 bad key, 404 unknown model, 408 timeout,
+413 body too large, 503 overloaded or no target.
+"""
+
+import asyncio
+import hmac
+import json
+import os
+import uuid
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, StreamingResponse
+from pydantic import ValidationError
+from ray import serve
+from ray.serve.exceptions import BackPressureError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from transformers import AutoTokenizer
+
+from app.openai_protocol import (ChatCompletionRequest, CompletionRequest, completion_body, error_body, new_id,
+                                 sse_event)
+from app.params import SpeculationParams
+from deployments.config import AppConfig
+
+# used when a tokenizer ships no chat template (the demo pair): plain "role: content" turns
+DEFAULT_CHAT_TEMPLATE = (
+    "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}assistant: {% endif %}"
+)
+
+api = FastAPI(title="specserve", description="Exact speculative decoding, OpenAI-compatible.")
+
+
+class APIError(Exception):
+    """An error answered with OpenAI's body."""
+
+    def __init__(self, status: int, message: str, type_: str, param: str | None = None, code=None, headers=None):
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = status, message, type_, param, code
+        self.headers = headers or {}
+
+    @classmethod
+    def from_router(cls, err: dict) -> "APIError":
+        """The router's error chunk as an APIError."""
+        return cls(int(err.get("code") or 503), err["message"], err["type"], err.get("param"), err.get("code"))
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(error_body(self.message, self.type, self.param, self.code), self.status, self.headers)
+
+
+@api.exception_handler(APIError)
+async def _api_error(_, exc: APIError):
+    return exc.response()
+
+
+@api.exception_handler(RequestValidationError)
+async def _validation_error(_, exc: RequestValidationError):
+    return invalid(exc.errors()).response()
+
+
+@api.exception_handler(StarletteHTTPException)
+async def _http_error(_, exc: StarletteHTTPException):
+    kinds = {404: "not_found_error", 405: "invalid_request_error"}
+    return JSONResponse(error_body(str(exc.detail), kinds.get(exc.status_code, "invalid_request_error")),
+                        exc.status_code)
+
+
+@api.exception_handler(Exception)
+async def _internal(_, exc: Exception):
+    return JSONResponse(error_body(f"internal error: {type(exc).__name__}", "internal_error"), 500)
+
+
+def invalid(errors: list[dict]) -> APIError:
+    """pydantic errors as a 400 naming the first bad parameter."""
+    err = errors[0]
+    param = ".".join(str(p) for p in err.get("loc", ()) if p != "body") or None
+    return APIError(400, f"invalid {param or 'request'}: {err.get('msg')}", "invalid_request_error", param)
+
+
+@serve.ingress(api)
+class Ingress:
+    """FastAPI ingress; the Router deployment does the generation."""
+
+    def __init__(self, router, cfg: AppConfig, tokenizer_path: str, model_name: str, max_context: int):
+        self.router, self.cfg, self.model_name, self.max_context = router, cfg, model_name, max_context
+        self.tokenizer = AutoTokenizer.from_pretrained(tokenizer_path)
+        if not getattr(self.tokenizer, "chat_template", None):
+            self.tokenizer.chat_template = DEFAULT_CHAT_TEMPLATE
+        self.api_key = os.environ.get(cfg.api_key_env) or None  # a secret from the environment, never the config
+        default = cfg.speculation.default_num_tokens
+        self.default_spec = SpeculationParams(num_tokens=default)
+
+    # -- endpoints ---------------------------------------------------------------------------
+    @api.get("/health")
+    async def health(self):
+        return {"status": "ok"}
+
+    @api.get("/v1/models")
+    async def models(self, request: Request):
+        self._authorize(request)
+        return {"object": "list", "data": [{"id": self.model_name, "object": "model", "owned_by": "specserve"}]}
+
+    @api.post("/v1/completions")
+    async def completions(self, request: Request):
+        return await self._serve(request, CompletionRequest, chat=False)
+
+    @api.post("/v1/chat/completions")
+    async def chat_completions(self, request: Request):
+        return await self._serve(request, ChatCompletionRequest, chat=True)
+
+    # -- the request path --------------------------------------------------------------------
+    def _authorize(self, request: Request) -> None:
+        if self.api_key is None:
+            return
+        given = request.headers.get("authorization", "")
+        token = given[7:] if given.lower().startswith("bearer ") else ""
+        if not hmac.compare_digest(token.encode(), self.api_key.encode()):
+            raise APIError(401, "missing or wrong API key: send Authorization: Bearer <key>",
+                           "authentication_error", code="invalid_api_key")
+
+    async def _parse(self, request: Request, model_cls):
+        length = request.headers.get("content-length")
+        if length and length.isdigit() and int(length) > self.cfg.limits.max_body_bytes:
+            raise APIError(413, f"request body over {self.cfg.limits.max_body_bytes} bytes", "invalid_request_error")
+        raw = await request.body()
+        if len(raw) > self.cfg.limits.max_body_bytes:
+            raise APIError(413, f"request body over {self.cfg.limits.max_body_bytes} bytes", "invalid_request_error")
+        try:
+            data = json.loads(raw.decode("utf-8"))
+        except (UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise APIError(400, f"body is not valid UTF-8 JSON: {e}", "invalid_request_error") from None
+        if not isinstance(data, dict):
+            raise APIError(400, "body must be a JSON object", "invalid_request_error")
+        try:
+            return model_cls.model_validate(data)
+        except ValidationError as e:
+            raise invalid(e.errors()) from None
+
+    def _prompt_ids(self, body, chat: bool) -> list[int]:
+        if chat:
+            messages = [m.model_dump() for m in body.messages]
+            ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+            return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
+        if isinstance(body.prompt, str):
+            return self.tokenizer(body.prompt)["input_ids"]
+        vocab = len(self.tokenizer)
+        if any(not 0 <= t < vocab for t in body.prompt):
+            raise APIError(400, f"prompt token ids must be in [0, {vocab})", "invalid_request_error", "prompt")
+        return list(body.prompt)
+
+    def _max_tokens(self, body, prompt_len: int, chat: bool) -> int:
+        room = self.max_context - prompt_len
+        if room <= 0:
+            raise APIError(400, f"prompt has {prompt_len} tokens; the context is {self.max_context}",
+                           "invalid_request_error", "messages" if chat else "prompt", "context_length_exceeded")
+        asked = (body.max_completion_tokens or body.max_tokens) if chat else body.max_tokens
+        if asked is None:
+            return min(self.cfg.limits.default_max_tokens, room)
+        if asked > self.cfg.limits.max_tokens_cap:
+            raise APIError(400, f"max_tokens must be <= {self.cfg.limits.max_tokens_cap}", "invalid_request_error",
+                           "max_tokens")
+        if asked > room:
+            raise APIError(400, f"prompt ({prompt_len} tokens) + max_tokens ({asked}) exceeds the context "
+                           f"({self.max_context})", "invalid_request_error", "max_tokens", "context_length_exceeded")
+        return asked
+
+    async def _serve(self, request: Request, model_cls, chat: bool):
+        self._authorize(request)
+        body = await self._parse(request, model_cls)
+        if body.model != self.model_name:
+            raise APIError(404, f"model {body.model!r} does not exist; this server has {self.model_name!r}",
+                           "not_found_error", "model", "model_not_found")
+        prompt_ids = self._prompt_ids(body, chat)
+        spec = body.speculation
+        if spec is not None and spec.pinned_k() is not None and spec.pinned_k() > self.cfg.speculation.k_max:
+            raise APIError(400, f"speculation.num_tokens must be <= {self.cfg.speculation.k_max}",
+                           "invalid_request_error", "speculation.num_tokens")
+        try:
+            params = body.sampling(self._max_tokens(body, len(prompt_ids), chat), self.default_spec)
+        except ValidationError as e:
+            raise invalid(e.errors()) from None
+        rid = new_id("chatcmpl" if chat else "cmpl")
+        stream = self.router.options(stream=True).generate.remote(uuid.uuid4().hex, prompt_ids,
+                                                                  params.model_dump())
+        deadline = asyncio.get_running_loop().time() + self.cfg.limits.request_timeout_s
+        first = await self._next(stream, deadline)  # errors before any token get a proper status
+        if first.get("error"):
+            raise APIError.from_router(first["error"])
+        if body.stream:
+            include_usage = bool(body.stream_options and body.stream_options.include_usage)
+            return StreamingResponse(self._sse(rid, first, stream, deadline, chat, include_usage),
+                                     media_type="text/event-stream")
+        text, last = first.get("text", ""), first
+        while "finish_reason" not in last:
+            last = await self._next(stream, deadline)
+            if last.get("error"):
+                raise APIError.from_router(last["error"])
+            text += last.get("text", "")
+        return completion_body(rid, self.model_name, text, last["finish_reason"], last["usage"],
+                               last["speculation"], chat, delta=False)
+
+    async def _next(self, stream, deadline: float) -> dict:
+        """The router's next chunk, within the request's deadline."""
+        timeout = deadline - asyncio.get_running_loop().time()
+        try:
+            return await asyncio.wait_for(stream.__anext__(), max(timeout, 0.001))
+        except asyncio.TimeoutError:
+            stream.cancel()
+            raise APIError(408, f"request exceeded {self.cfg.limits.request_timeout_s}s", "timeout_error",
+                           code="timeout") from None
+        except BackPressureError:
+            raise APIError(503, "server overloaded: retry later", "service_unavailable",
+                           code="overloaded", headers={"Retry-After": "1"}) from None
+        except StopAsyncIteration:
+            raise APIError(503, "generation ended without a result", "service_unavailable") from None
+
+    async def _sse(self, rid: str, first: dict, stream, deadline: float, chat: bool, include_usage: bool):
+        chunk = first
+        try:
+            while True:
+                if chunk.get("error"):
+                    yield sse_event({"error": chunk["error"]})
+                    break
+                finish = chunk.get("finish_reason")
+                if chunk.get("text") or finish:
+                    spec = chunk.get("speculation") if finish and not include_usage else None
+                    yield sse_event(completion_body(rid, self.model_name, chunk.get("text", ""), finish, None, spec,
+                                                 chat, delta=True))
+                if finish:
+                    if include_usage:
+                        usage_chunk = completion_body(rid, self.model_name, "", None, chunk["usage"],
+                                                      chunk["speculation"], chat, delta=True)
+                        usage_chunk["choices"] = []
+                        yield sse_event(usage_chunk)
+                    break
+                chunk = await self._next(stream, deadline)
+        except APIError as e:
+            yield sse_event(error_body(e.message, e.type, e.param, e.code))
+        finally:
+            stream.cancel()  # a client that went away stops the generation and frees its caches
+        yield "data: [DONE]\n\n"

@@ -1,0 +1,99 @@
+"""Router: owns every request's state and drives its rounds against the draft and target pools.
+
+Fail open: a draft that errs or misses its deadline makes the round a plain target step, and the
+draft is left alone for a while. Retry: a verify whose target replica died is sent again from
+the router's state; the round is recomputed identically, so nothing streamed repeats or goes.
+"""
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator
+
+from ray.exceptions import ActorUnavailableError, RayActorError
+from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError
+from transformers import AutoTokenizer
+
+from app.controller import CostEstimator, KController, KControllerConfig
+from app.driver import DraftUnavailable, run_rounds
+from app.params import SamplingParams
+from app.request import RequestState
+from app.spec import Proposal, ProposeItem, Verdict, VerifyItem
+from deployments.config import AppConfig
+
+log = logging.getLogger("ray.serve")
+
+REPLICA_GONE = (RayActorError, ActorUnavailableError, DeploymentUnavailableError, BackPressureError)
+
+
+class TargetUnavailable(Exception):
+    """No target replica answered within the retries."""
+
+
+class Router:
+    """One coroutine per request; propose and verify calls go out by deployment handle."""
+
+    def __init__(self, draft, target, cfg: AppConfig, tokenizer_path: str, max_context: int):
+        self.draft, self.target, self.cfg = draft, target, cfg
+        self.tokenizer = AutoTokenizer.from_pretrained(tokenizer_path)
+        self.max_context = max_context
+        self.costs = CostEstimator()
+        self.target_batch = 1.0  # EMA of the target's batch size, for load-aware K
+        self._draft_down_until = 0.0
+        self.active = 0
+
+    async def _propose(self, item: ProposeItem) -> Proposal:
+        if time.monotonic() < self._draft_down_until:
+            raise DraftUnavailable("draft pool backing off")
+        try:
+            return await asyncio.wait_for(self.draft.propose.remote(item), self.cfg.speculation.draft_timeout_s)
+        except (asyncio.TimeoutError, *REPLICA_GONE) as e:
+            log.warning("draft unavailable (%s); plain target steps for %.1fs", type(e).__name__,
+                        self.cfg.speculation.draft_retry_after_s)
+            self._draft_down_until = time.monotonic() + self.cfg.speculation.draft_retry_after_s
+            raise DraftUnavailable(str(e)) from e
+
+    async def _verify(self, item: VerifyItem) -> Verdict:
+        retries = self.cfg.limits.target_retries
+        for attempt in range(retries + 1):
+            try:
+                verdict = await self.target.verify.remote(item)
+                self.target_batch = 0.8 * self.target_batch + 0.2 * verdict.stats.get("batch_size", 1)
+                return verdict
+            except REPLICA_GONE as e:
+                log.warning("verify failed on a gone target replica (%s), attempt %d", type(e).__name__, attempt + 1)
+                if attempt == retries:
+                    raise TargetUnavailable(str(e)) from e
+                await asyncio.sleep(min(0.5 * 2**attempt, 5.0))
+        raise AssertionError("unreachable")
+
+    def _verify_cost(self) -> float:
+        # roofline: a target batch of B sequences verifies B(K+1) tokens; past saturation each extra
+        # draft token costs about B / saturation of a step
+        return max(0.0, self.target_batch - 1) / self.cfg.speculation.verify_saturation_tokens * self.target_batch
+
+    async def generate(self, request_id: str, prompt_ids: list[int], params: dict) -> AsyncIterator[dict]:
+        """Stream {token_ids, text} per round, then {finish_reason, usage, speculation} (or {error})."""
+        sp = SamplingParams.model_validate(params)
+        state = RequestState(request_id, prompt_ids, sp, self.tokenizer, self.max_context)
+        controller = KController(KControllerConfig(k_max=self.cfg.speculation.k_max),
+                                 pinned_k=sp.speculation.pinned_k() if self.cfg.draft else 0)
+        propose = self._propose if self.cfg.draft else None
+        self.active += 1
+        try:
+            async for kept in run_rounds(state, propose, self._verify, controller, self.costs, self._verify_cost):
+                delta = state.take_delta()
+                if kept or delta:
+                    yield {"token_ids": kept, "text": delta}
+            yield {"token_ids": [], "text": state.take_delta(), "finish_reason": state.finish_reason,
+                   "usage": {"prompt_tokens": len(prompt_ids), "completion_tokens": len(state.output_ids),
+                             "total_tokens": len(prompt_ids) + len(state.output_ids)},
+                   "speculation": state.stats.summary()}
+        except TargetUnavailable as e:
+            yield {"error": {"message": f"no target replica could verify: {e}", "type": "service_unavailable",
+                             "code": 503}}
+        finally:
+            self.active -= 1
+            self.target.release.remote(request_id)
+            if self.cfg.draft:
+                self.draft.release.remote(request_id)

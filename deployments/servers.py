@@ -1,0 +1,78 @@
+"""DraftServer and TargetServer: a ModelRunner each, calls fused into one forward by @serve.batch.
+
+The classes carry no @serve.deployment: build_app applies it with options from the config.
+"""
+
+import asyncio
+
+import torch
+from ray import serve
+
+from app.runner import ModelRunner
+from app.spec import Proposal, ProposeItem, Verdict, VerifyItem, propose, verify
+from deployments.config import BatchConfig, ModelConfig
+
+
+def load_runner(cfg: ModelConfig, path: str) -> ModelRunner:
+    device = cfg.device if cfg.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
+    return ModelRunner.from_pretrained(path, dtype=cfg.dtype, device=device, max_cache_bytes=cfg.max_cache_bytes,
+                                       trust_remote_code=cfg.trust_remote_code)
+
+
+def _replica_id() -> str:
+    try:
+        return serve.get_replica_context().replica_id.unique_id
+    except Exception:  # outside Serve (unit tests)
+        return "local"
+
+
+class _Server:
+    """What both servers share: the runner, batching settings, cache release and stats."""
+
+    def __init__(self, cfg: ModelConfig, path: str, batch: BatchConfig, method):
+        self.runner = load_runner(cfg, path)
+        self.replica_id = _replica_id()
+        method.set_max_batch_size(batch.max_batch_size)
+        method.set_batch_wait_timeout_s(batch.batch_wait_timeout_s)
+
+    async def release(self, seq_id: str) -> None:
+        """Free a finished request's cache."""
+        self.runner.release(seq_id)
+
+    async def stats(self) -> dict:
+        """KV cache occupancy of this replica."""
+        cache = self.runner.cache
+        return {"replica": self.replica_id, "kv_cache_bytes": cache.nbytes, "sequences": len(cache),
+                "evictions": cache.evictions}
+
+    async def check_health(self) -> None:
+        """Serve's health check: the runner must be usable."""
+        if self.runner.model is None:
+            raise RuntimeError("model not loaded")
+
+
+class DraftServer(_Server):
+    """Proposes K tokens per sequence for many sequences in one batch."""
+
+    def __init__(self, cfg: ModelConfig, path: str, batch: BatchConfig, top_n: int):
+        super().__init__(cfg, path, batch, self.propose)
+        self.top_n = top_n
+
+    @serve.batch(max_batch_size=16, batch_wait_timeout_s=0.002)
+    async def propose(self, items: list[ProposeItem]) -> list[Proposal]:
+        # the forward runs in a thread so the replica keeps queueing the next batch meanwhile
+        return await asyncio.to_thread(propose, self.runner, items, self.top_n)
+
+
+class TargetServer(_Server):
+    """Verifies many sequences' proposals in one target forward."""
+
+    def __init__(self, cfg: ModelConfig, path: str, batch: BatchConfig):
+        super().__init__(cfg, path, batch, self.verify)
+
+    @serve.batch(max_batch_size=32, batch_wait_timeout_s=0.002)
+    async def verify(self, items: list[VerifyItem]) -> list[Verdict]:
+        verdicts = await asyncio.to_thread(verify, self.runner, items)
+        for v in verdicts:
+            v.stats["replica"] = self.replica_id
+        return verdicts
