@@ -35,6 +35,50 @@ def cmd_demo_models(args) -> int:
     return build_cli(args)
 
 
+def cmd_serve(args) -> int:
+    """Start a local multi-node Ray cluster and the app; stop both on Ctrl-C or SIGTERM."""
+    import signal
+    import threading
+
+    from cluster.local import LocalCluster, deploy, load_config
+
+    overrides: dict = {"demo_quick": args.quick}
+    if args.target:
+        overrides["target"] = {"model": args.target}
+    if args.draft:
+        overrides["draft"] = {"model": args.draft}
+    if not args.target or not args.draft:
+        from app.demo import demo_pair
+
+        demo_pair(quick=args.quick)  # build with a progress bar here, before the replicas need it
+    config = load_config(args.config, args=overrides, port=args.port, host=args.host)
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    print("starting a local Ray cluster (a target-pool node and a draft-pool node)...", flush=True)
+    with LocalCluster():
+        deploy(config)
+        url = f"http://{args.host}:{args.port}"
+        name = config["applications"][0]["args"].get("served_model_name") or _served_name(config)
+        print(f"\nspecserve is up at {url}  (OpenAI-compatible; Ctrl-C stops it)\n", flush=True)
+        print(f"curl -s {url}/v1/completions -H 'Content-Type: application/json' \\\n"
+              f"  -d '{{\"model\": \"{name}\", \"prompt\": \"def fibonacci(n):\", \"max_tokens\": 48, "
+              f"\"temperature\": 0}}'\n", flush=True)
+        stop.wait()
+        print("stopping the app and the cluster...", flush=True)
+    return 0
+
+
+def _served_name(config: dict) -> str:
+    from pathlib import Path
+
+    from deployments.app import resolve_models
+    from deployments.config import AppConfig
+
+    target, _ = resolve_models(AppConfig.model_validate(config["applications"][0]["args"]))
+    return Path(target.rstrip("/")).name
+
+
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="specserve", description=__doc__)
     sub = p.add_subparsers(dest="command", required=True)
@@ -51,6 +95,15 @@ def parser() -> argparse.ArgumentParser:
     g.add_argument("-k", type=int, help="draft tokens per round (default: adaptive)")
     g.add_argument("--quick", action="store_true", help="use the small, quickly built demo pair")
     g.set_defaults(func=cmd_generate)
+
+    s = sub.add_parser("serve", help="serve the OpenAI-compatible API on a local Ray cluster (foreground)")
+    s.add_argument("--config", default=None, help="Serve config YAML (default: cluster/serve_config.yaml)")
+    s.add_argument("--target", help="target model: hub id or local directory (default: the demo target)")
+    s.add_argument("--draft", help="draft model: hub id or local directory (default: the demo draft)")
+    s.add_argument("--host", default="127.0.0.1", help="bind address (default loopback: put TLS/a gateway in front)")
+    s.add_argument("--port", type=int, default=8000)
+    s.add_argument("--quick", action="store_true", help="use the small, quickly built demo pair")
+    s.set_defaults(func=cmd_serve)
 
     d = sub.add_parser("demo-models", help="build (or find in the cache) the demo draft/target pair")
     d.add_argument("--quick", action="store_true", help="a small pair that builds in about a minute")

@@ -61,10 +61,10 @@ class LocalCluster:
             self.cluster = None
 
 
-def load_config(path: str | Path = CONFIG, args: dict | None = None, deployments: dict | None = None,
+def load_config(path: str | Path | None = CONFIG, args: dict | None = None, deployments: dict | None = None,
                 port: int | None = None, host: str | None = None) -> dict:
     """The Serve config with overrides: `args` merged into the app's args, per-deployment option dicts."""
-    config = yaml.safe_load(Path(path).read_text())
+    config = yaml.safe_load(Path(path or CONFIG).read_text())
     app = config["applications"][0]
     app["args"] = _merge(app.get("args") or {}, args or {})
     for d in app.get("deployments", []):

@@ -5,6 +5,7 @@ The classes carry no @serve.deployment: build_app applies it with options from t
 
 import asyncio
 
+import ray
 import torch
 from ray import serve
 
@@ -42,8 +43,8 @@ class _Server:
     async def stats(self) -> dict:
         """KV cache occupancy of this replica."""
         cache = self.runner.cache
-        return {"replica": self.replica_id, "kv_cache_bytes": cache.nbytes, "sequences": len(cache),
-                "evictions": cache.evictions}
+        return {"replica": self.replica_id, "node_id": ray.get_runtime_context().get_node_id(),
+                "kv_cache_bytes": cache.nbytes, "sequences": len(cache), "evictions": cache.evictions}
 
     async def check_health(self) -> None:
         """Serve's health check: the runner must be usable."""

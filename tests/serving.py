@@ -1,0 +1,37 @@
+"""Shared set-up of the Serve tests: tiny models on disk, a local cluster, the app deployed on it."""
+
+import contextlib
+import socket
+
+from conftest import blend, make_model, make_tokenizer
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def save_tiny_pair(root) -> tuple[str, str]:
+    tok, target = make_tokenizer(), make_model(seed=1, max_positions=512)
+    paths = []
+    for name, model in (("target", target), ("draft", blend(target, 7, 0.85))):
+        model.save_pretrained(root / name)
+        tok.save_pretrained(root / name)
+        paths.append(str(root / name))
+    return paths[0], paths[1]
+
+
+@contextlib.contextmanager
+def running_app(target: str, draft: str | None, args: dict | None = None, deployments: dict | None = None):
+    """Yield the base URL of the app deployed on a fresh local cluster; stop the cluster after."""
+    from cluster.local import LocalCluster, deploy, load_config
+
+    port = free_port()
+    base = {"target": {"model": target, "dtype": "float32"},
+            "draft": {"model": draft} if draft else None,
+            "speculation": {"draft_timeout_s": 30.0}}
+    config = load_config(args={**base, **(args or {})}, deployments=deployments, port=port)
+    with LocalCluster():
+        deploy(config, timeout_s=300)
+        yield f"http://127.0.0.1:{port}"

@@ -1,0 +1,140 @@
+"""End to end over HTTP on a local two-node cluster, with the official openai client."""
+
+import asyncio
+import json
+
+import httpx
+import openai
+import pytest
+import ray
+from ray import serve
+
+from app.engine import Engine
+from app.params import SamplingParams
+from serving import running_app, save_tiny_pair
+
+pytestmark = pytest.mark.slow
+PROMPTS = [f"def f{i}(x):\n    return x" + " + 1" * (i % 5) for i in range(16)]
+N = 24
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    return save_tiny_pair(tmp_path_factory.mktemp("pair"))
+
+
+@pytest.fixture(scope="module")
+def app(pair):
+    with running_app(*pair) as url:
+        yield url
+
+
+@pytest.fixture(scope="module")
+def reference(pair):
+    """In-process target-only greedy output for every prompt."""
+    engine = Engine.from_pretrained(pair[0])
+    params = SamplingParams(temperature=0, max_tokens=N, ignore_eos=True, speculation={"enabled": False})
+    return {p: r.text for p, r in zip(PROMPTS, engine.generate(PROMPTS, params))}
+
+
+@pytest.fixture(scope="module")
+def client(app):
+    return openai.OpenAI(base_url=f"{app}/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+EXTRA = {"ignore_eos": True}
+
+
+def test_models_and_health(app, client):
+    assert [m.id for m in client.models.list().data] == ["target"]
+    assert httpx.get(f"{app}/health").json() == {"status": "ok"}
+
+
+def test_completion_is_the_targets_greedy_output(client, reference):
+    r = client.completions.create(model="target", prompt=PROMPTS[0], max_tokens=N, temperature=0, extra_body=EXTRA)
+    assert r.choices[0].text == reference[PROMPTS[0]]
+    assert r.usage.completion_tokens == N
+    spec = r.model_extra["speculation"]
+    assert set(spec) >= {"drafted_tokens", "accepted_tokens", "rounds", "acceptance_rate", "mean_accepted_length",
+                         "fallback_rounds"}
+    assert spec["rounds"] >= 1
+
+
+def test_streamed_text_equals_non_streamed(client, reference):
+    chunks = list(client.completions.create(model="target", prompt=PROMPTS[1], max_tokens=N, temperature=0,
+                                            stream=True, stream_options={"include_usage": True}, extra_body=EXTRA))
+    text = "".join(c.choices[0].text for c in chunks if c.choices)
+    assert text == reference[PROMPTS[1]]
+    last = chunks[-1]
+    assert last.choices == [] and last.usage.completion_tokens == N
+    assert last.model_extra["speculation"]["rounds"] >= 1
+
+
+def test_chat_completion_streamed_and_not(client):
+    messages = [{"role": "user", "content": "write a function"}]
+    kw = dict(model="target", messages=messages, max_tokens=12, temperature=0, extra_body=EXTRA)
+    full = client.chat.completions.create(**kw).choices[0].message.content
+    streamed = "".join(c.choices[0].delta.content or "" for c in client.chat.completions.create(stream=True, **kw)
+                       if c.choices)
+    assert full == streamed and len(full) > 0
+
+
+def test_pinned_k_and_speculation_off(client, reference):
+    for spec in ({"num_tokens": 3}, {"enabled": False}):
+        r = client.completions.create(model="target", prompt=PROMPTS[2], max_tokens=N, temperature=0,
+                                      extra_body={**EXTRA, "speculation": spec})
+        assert r.choices[0].text == reference[PROMPTS[2]]
+        drafted = r.model_extra["speculation"]["drafted_tokens"]
+        assert (drafted > 0) if spec.get("num_tokens") else drafted == 0
+
+
+def test_concurrent_requests_match_sequential_and_batch(app, reference):
+    async def run():
+        async with openai.AsyncOpenAI(base_url=f"{app}/v1", api_key="unused", max_retries=0, timeout=300) as c:
+            return await asyncio.gather(*(
+                c.completions.create(model="target", prompt=p, max_tokens=N, temperature=0,
+                                     extra_body={**EXTRA, "speculation": {"num_tokens": 2}}) for p in PROMPTS))
+    results = asyncio.run(run())
+    assert [r.choices[0].text for r in results] == [reference[p] for p in PROMPTS]
+    # under 16 concurrent streams, verify calls really fused into batches
+    assert max(r.model_extra["speculation"]["max_target_batch_size"] for r in results) > 1
+
+
+@pytest.mark.parametrize("body, status, param", [
+    ({"prompt": "x", "max_tokens": -1}, 400, "max_tokens"),
+    ({"prompt": "x", "temperature": "hot"}, 400, "temperature"),
+    ({"prompt": "x", "top_p": 0}, 400, "top_p"),
+    ({"max_tokens": 4}, 400, "prompt"),
+    ({"prompt": ""}, 400, "prompt"),
+    ({"prompt": "x", "n": 2}, 400, "n"),
+    ({"prompt": "x", "speculation": {"num_tokens": -2}}, 400, "speculation.num_tokens"),
+    ({"prompt": "x", "speculation": {"num_tokens": 99}}, 400, "speculation.num_tokens"),
+    ({"prompt": "x", "speculation": {"bogus": 1}}, 400, "speculation.bogus"),
+    ({"prompt": "x", "max_tokens": 100000}, 400, "max_tokens"),
+    ({"prompt": "x" * 600, "max_tokens": 4}, 400, "prompt"),
+    ({"prompt": "x", "model": "nope"}, 404, "model"),
+])
+def test_bad_requests_get_openai_errors(app, body, status, param):
+    r = httpx.post(f"{app}/v1/completions", json={"model": "target", **body}, timeout=30)
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"} and err["param"] == param
+
+
+def test_malformed_bodies(app, client):
+    for content in (b"{not json", b"\xff\xfe\x00", b"[1, 2]"):
+        r = httpx.post(f"{app}/v1/completions", content=content, headers={"content-type": "application/json"})
+        assert r.status_code == 400 and "error" in r.json()
+    r = httpx.post(f"{app}/v1/completions", content=b"x" * (2 << 20), headers={"content-type": "application/json"})
+    assert r.status_code == 413
+    # the server keeps serving after bad input
+    assert client.completions.create(model="target", prompt="ok", max_tokens=2, temperature=0).choices
+
+
+def test_replicas_run_on_their_pools(app):
+    nodes = {n["NodeID"]: n["Resources"] for n in ray.nodes() if n["Alive"]}
+    for name, pool in (("DraftServer", "draft_pool"), ("TargetServer", "target_pool")):
+        stats = serve.get_deployment_handle(name, "specserve").stats.remote().result(timeout_s=60)
+        assert pool in nodes[stats["node_id"]], f"{name} landed on a node without {pool}"
+        other = "target_pool" if pool == "draft_pool" else "draft_pool"
+        assert other not in nodes[stats["node_id"]]
