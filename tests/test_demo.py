@@ -1,0 +1,118 @@
+"""The demo pair builder: cache, atomic build, from_pretrained loading, reproducibility, and the
+held-out prompts. Uses the quick pair (seconds); the full pair is only built by a slow test."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from app.demo import build, corpus, train
+from app.demo.build import demo_pair, pair_dir
+from app.demo.measure import measure_pair, replay_rounds
+
+
+@pytest.fixture(scope="module")
+def quick_pair(tmp_path_factory) -> tuple[str, str, str]:
+    cache = str(tmp_path_factory.mktemp("cache"))
+    target_dir, draft_dir = demo_pair(quick=True, seed=0, cache_dir=cache, progress=False)
+    return target_dir, draft_dir, cache
+
+
+def _weights(model_dir: str) -> dict[str, torch.Tensor]:
+    return load_file(str(Path(model_dir) / "model.safetensors"))
+
+
+def test_pair_loads_with_from_pretrained(quick_pair):
+    target_dir, draft_dir, _ = quick_pair
+    tok_t, tok_d = AutoTokenizer.from_pretrained(target_dir), AutoTokenizer.from_pretrained(draft_dir)
+    assert tok_t.get_vocab() == tok_d.get_vocab()
+    assert tok_t.bos_token == "<s>" and tok_t.eos_token == "</s>"
+    ids = tok_t("def f(x):\n    return x", return_tensors="pt").input_ids  # [1, S]
+    assert ids[0, 0].item() == tok_t.bos_token_id
+    assert tok_t.decode(ids[0], skip_special_tokens=True) == "def f(x):\n    return x"
+    target = AutoModelForCausalLM.from_pretrained(target_dir)
+    draft = AutoModelForCausalLM.from_pretrained(draft_dir)
+    assert target.config.vocab_size == draft.config.vocab_size == len(tok_t)
+    assert target.dtype == torch.bfloat16 and draft.dtype == torch.float32
+    assert target.num_parameters() >= 10 * draft.num_parameters()
+    with torch.no_grad():
+        assert target(ids).logits.shape == draft(ids).logits.shape == (1, ids.shape[1], len(tok_t))
+
+
+def test_cached_pair_is_not_rebuilt(quick_pair, monkeypatch):
+    target_dir, draft_dir, cache = quick_pair
+
+    def fail(*args, **kwargs):
+        raise AssertionError("a cached pair was rebuilt")
+
+    monkeypatch.setattr(build, "build_pair", fail)
+    assert demo_pair(quick=True, seed=0, cache_dir=cache) == (target_dir, draft_dir)
+
+
+def test_cache_dir_from_environment(monkeypatch, tmp_path):
+    monkeypatch.setenv("SPECSERVE_CACHE", str(tmp_path))
+    quick, full = pair_dir(quick=True, seed=0), pair_dir(quick=False, seed=0)
+    assert quick.parent == full.parent == tmp_path / "demo" and quick != full
+    assert pair_dir(quick=True, seed=1) != quick
+
+
+def test_interrupted_build_leaves_nothing(monkeypatch, tmp_path):
+    def interrupt(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(train, "train_target", interrupt)
+    with pytest.raises(KeyboardInterrupt):
+        demo_pair(quick=True, cache_dir=str(tmp_path), progress=False)
+    assert list((tmp_path / "demo").iterdir()) == []  # no final dir, no leftover temp dir
+
+
+def test_same_seed_gives_same_pair(quick_pair, tmp_path):
+    target_dir, draft_dir, _ = quick_pair
+    target2, draft2 = demo_pair(quick=True, seed=0, cache_dir=str(tmp_path), progress=False)
+    assert AutoTokenizer.from_pretrained(target2).get_vocab() == AutoTokenizer.from_pretrained(target_dir).get_vocab()
+    for a, b in ((target_dir, target2), (draft_dir, draft2)):
+        wa, wb = _weights(a), _weights(b)
+        assert wa.keys() == wb.keys()
+        assert all(torch.equal(wa[k], wb[k]) for k in wa)
+
+
+def test_measure_and_cli_report(quick_pair, capsys):
+    target_dir, draft_dir, cache = quick_pair
+    m = measure_pair(target_dir, draft_dir, k=4, new_tokens=8)
+    assert 1.0 <= m["tau"] <= 5.0 and m["c"] > 0
+    assert m["target_params"] >= 10 * m["draft_params"]
+    args = argparse.Namespace(quick=True, rebuild=False, seed=0, cache_dir=cache)
+    assert build.build_cli(args) == 0
+    out = capsys.readouterr().out
+    assert target_dir in out and "tau" in out and "c =" in out
+
+
+def test_replay_rounds():
+    assert replay_rounds([True] * 10, k=4) == (10, 2)  # 4 accepted + bonus, twice
+    assert replay_rounds([False] * 6, k=4) == (6, 6)  # every round emits only the correction
+    # accept 2 then correct (3), accept 0 then correct (1), accept 1 then correct (2)
+    assert replay_rounds([True, True, False, False, True, False], k=4) == (6, 3)
+
+
+def test_heldout_prompts_are_unseen():
+    prompts = corpus.load_heldout_prompts()
+    assert 16 <= len(prompts) <= 24
+    assert {p["kind"] for p in prompts} == {"code", "prose"}
+    assert len({p["id"] for p in prompts}) == len(prompts)
+    files = corpus.training_files()
+    assert not {f.stem for f in files if f.parent == corpus.stdlib_dir()} & set(corpus.HELDOUT_MODULES)
+    training = "\n".join(corpus.training_texts())
+    assert not [p["id"] for p in prompts if p["prompt"] in training]
+
+
+@pytest.mark.slow
+def test_full_pair_speculates_well(tmp_path):
+    target_dir, draft_dir = demo_pair(cache_dir=str(tmp_path), progress=False)
+    m = measure_pair(target_dir, draft_dir, k=4)
+    assert m["tau"] >= 2.8 and m["c"] <= 0.15
+    assert m["target_params"] >= 10 * m["draft_params"]
