@@ -1,0 +1,396 @@
+"""KubeRay manifests generated from the Serve config: one RayService per scenario under k8s/.
+
+    python -m cluster.k8s            # write k8s/ray-service.*.yaml and k8s/grafana-dashboard.json
+    python -m cluster.k8s --check    # exit 1 when a committed file differs from what would be written
+
+cluster/serve_config.yaml is the one source of truth for the application; each variant embeds it
+in serveConfigV2 with a few overrides (models, tensor parallelism, GPUs per replica, bind address).
+"""
+
+import argparse
+import copy
+import json
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import yaml
+
+CONFIG = Path(__file__).with_name("serve_config.yaml")
+OUT = Path(__file__).resolve().parents[1] / "k8s"
+RAY_VERSION = "2.60.0"  # tests check it equals the installed ray: the image must match what was tested
+IMAGE = "specserve"  # built by k8s/Dockerfile FROM rayproject/ray:<RAY_VERSION>-py311[-gpu]
+DRAFT_POOL, TARGET_POOL = "draft_pool", "target_pool"
+GPU_TOLERATION = {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}
+POD_LABELS = {"app.kubernetes.io/name": "specserve", "app.kubernetes.io/part-of": "specserve"}
+SERVE_PORT, METRICS_PORT = 8000, 8080
+
+
+@dataclass
+class Pool:
+    """A worker group: the pods of one model's replicas, one replica per pod."""
+
+    name: str
+    resource: str  # the custom resource only this group offers; its deployment asks for 1
+    cpu: str
+    memory: str
+    gpus: int = 0
+    min_pods: int = 1
+    max_pods: int = 1
+    node_selector: dict = field(default_factory=dict)
+    shm: str | None = None  # /dev/shm size: NCCL between the ranks of one replica needs more than 64M
+    model_cache: str | None = None  # emptyDir for downloaded weights (use a PVC or node cache to reuse)
+
+
+@dataclass
+class Variant:
+    """One RayService manifest: what it is for, the pods, and the Serve config overrides."""
+
+    file: str
+    name: str
+    header: str
+    draft: Pool
+    target: Pool
+    head_cpu: str = "2"
+    head_memory: str = "8Gi"
+    gpu: bool = False
+    args: dict = field(default_factory=dict)  # deep-merged into the application's args
+    deployments: dict = field(default_factory=dict)  # per-deployment options, deep-merged
+    secrets: dict = field(default_factory=dict)  # env var -> (secret name, key, optional)
+    annotations: dict = field(default_factory=dict)
+    redis: bool = False  # GCS fault tolerance with an external Redis
+    token_auth: bool = False  # Ray token auth for the dashboard, GCS and client ports
+
+
+def merge(base: dict, extra: dict) -> dict:
+    """base with extra merged in, recursively for dicts; neither is modified."""
+    out = copy.deepcopy(base)
+    for key, value in extra.items():
+        if isinstance(value, dict) and isinstance(out.get(key), dict):
+            out[key] = merge(out[key], value)
+        else:
+            out[key] = copy.deepcopy(value)
+    return out
+
+
+def serve_config(v: Variant) -> dict:
+    """cluster/serve_config.yaml with the variant's overrides: the dict embedded as serveConfigV2."""
+    config = yaml.safe_load(CONFIG.read_text())
+    config["http_options"]["host"] = "0.0.0.0"  # the serve Service reaches the proxies from other pods
+    app = config["applications"][0]
+    app["args"] = merge(app.get("args") or {}, v.args)
+    for d in app["deployments"]:
+        d.update(merge(d, v.deployments.get(d["name"], {})))
+    return config
+
+
+def image(v: Variant) -> str:
+    return f"{IMAGE}:ray{RAY_VERSION}-py311{'-gpu' if v.gpu else ''}"
+
+
+def env(v: Variant) -> list[dict]:
+    """Secrets by reference, the same on every Ray container (the ingress and build_app run anywhere)."""
+    out = []
+    for var, (secret, key, optional) in v.secrets.items():
+        ref = {"name": secret, "key": key, **({"optional": True} if optional else {})}
+        out.append({"name": var, "valueFrom": {"secretKeyRef": ref}})
+    return out
+
+
+def quantities(cpu: str, memory: str, gpus: int = 0) -> dict:
+    """Requests equal to limits: Guaranteed QoS, and a GPU count the scheduler cannot round."""
+    q = {"cpu": cpu, "memory": memory, **({"nvidia.com/gpu": str(gpus)} if gpus else {})}
+    return {"requests": dict(q), "limits": dict(q)}
+
+
+def container(v: Variant, name: str, resources: dict, ports: list[dict], mounts: list[dict]) -> dict:
+    c = {"name": name, "image": image(v), "imagePullPolicy": "IfNotPresent", "resources": resources,
+         "ports": ports}
+    if env(v):
+        c["env"] = env(v)
+    if mounts:
+        c["volumeMounts"] = mounts
+    return c
+
+
+def head(v: Variant) -> dict:
+    """The head runs the Serve controller, proxies and autoscaler; `num-cpus: 0` keeps replicas off it."""
+    ports = [{"containerPort": 6379, "name": "gcs-server"}, {"containerPort": 8265, "name": "dashboard"},
+             {"containerPort": 10001, "name": "client"}, {"containerPort": SERVE_PORT, "name": "serve"},
+             {"containerPort": METRICS_PORT, "name": "metrics"}]
+    spec = {"containers": [container(v, "ray-head", quantities(v.head_cpu, v.head_memory), ports, [])]}
+    return {"rayStartParams": {"num-cpus": "0", "dashboard-host": "0.0.0.0"},
+            "template": {"metadata": {"labels": dict(POD_LABELS)}, "spec": spec}}
+
+
+def worker_group(v: Variant, pool: Pool) -> dict:
+    """A worker group offering `pool.resource: 1` and `pool.gpus` GPUs per pod."""
+    params = {"resources": '"' + json.dumps({pool.resource: 1}).replace('"', '\\"') + '"'}
+    if pool.gpus:
+        params = {"num-gpus": str(pool.gpus), **params}
+    volumes, mounts = [], []
+    if pool.shm:
+        volumes.append({"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": pool.shm}})
+        mounts.append({"name": "dshm", "mountPath": "/dev/shm"})
+    if pool.model_cache:
+        volumes.append({"name": "model-cache", "emptyDir": {"sizeLimit": pool.model_cache}})
+        mounts.append({"name": "model-cache", "mountPath": "/home/ray/.cache/huggingface"})
+    ports = [{"containerPort": SERVE_PORT, "name": "serve"}, {"containerPort": METRICS_PORT, "name": "metrics"}]
+    spec = {"containers": [container(v, "ray-worker", quantities(pool.cpu, pool.memory, pool.gpus), ports, mounts)]}
+    if pool.node_selector:
+        spec["nodeSelector"] = dict(pool.node_selector)
+    if pool.gpus:
+        spec["tolerations"] = [dict(GPU_TOLERATION)]
+    if volumes:
+        spec["volumes"] = volumes
+    return {"groupName": pool.name, "replicas": pool.min_pods, "minReplicas": pool.min_pods,
+            "maxReplicas": pool.max_pods, "rayStartParams": params,
+            "template": {"metadata": {"labels": dict(POD_LABELS)}, "spec": spec}}
+
+
+def ray_service(v: Variant) -> dict:
+    """The RayService of a variant, serveConfigV2 included."""
+    cluster = {"rayVersion": RAY_VERSION, "enableInTreeAutoscaling": True,
+               # GPU pods take minutes to come back: keep idle ones a while before scaling down
+               "autoscalerOptions": {"idleTimeoutSeconds": 600 if v.gpu else 120, "upscalingMode": "Default"},
+               "headGroupSpec": head(v),
+               "workerGroupSpecs": [worker_group(v, v.draft), worker_group(v, v.target)]}
+    if v.redis:
+        cluster["gcsFaultToleranceOptions"] = {
+            "redisAddress": "redis://specserve-redis:6379", "externalStorageNamespace": v.name,
+            "redisPassword": {"valueFrom": {"secretKeyRef": {"name": "specserve-redis", "key": "password"}}}}
+    if v.token_auth:
+        cluster["authOptions"] = {"mode": "token", "secretName": "specserve-ray-token"}
+    meta = {"name": v.name, "labels": {"app.kubernetes.io/name": "specserve"}}
+    if v.annotations:
+        meta["annotations"] = dict(v.annotations)
+    return {"apiVersion": "ray.io/v1", "kind": "RayService", "metadata": meta,
+            "spec": {"upgradeStrategy": {"type": "NewCluster"},
+                     "serveConfigV2": dump(serve_config(v)), "rayClusterConfig": cluster}}
+
+
+class Literal(str):
+    """A string dumped as a YAML literal block (serveConfigV2 stays readable)."""
+
+
+yaml.SafeDumper.add_representer(
+    Literal, lambda d, s: d.represent_scalar("tag:yaml.org,2002:str", s, style="|"))
+
+
+def dump(data: dict) -> Literal:
+    return Literal(yaml.safe_dump(data, sort_keys=False, width=120))
+
+
+def render(v: Variant) -> str:
+    """The manifest file's text: the header comment, then the RayService."""
+    header = "".join(f"# {line}".rstrip() + "\n" for line in v.header.strip().splitlines())
+    note = ("# Generated by `python -m cluster.k8s` from cluster/serve_config.yaml: edit those and\n"
+            "# regenerate; tests/test_k8s.py fails when this file and the generator disagree.\n")
+    body = yaml.safe_dump(ray_service(v), sort_keys=False, width=120)
+    return header + note + "---\n" + body
+
+
+HF_TOKEN = {"HF_TOKEN": ("specserve-hf", "token", False)}
+API_KEY_OPTIONAL = {"SPECSERVE_API_KEY": ("specserve-api", "key", True)}
+API_KEY = {"SPECSERVE_API_KEY": ("specserve-api", "key", False)}
+
+DEV = Variant(
+    file="ray-service.dev-cpu.yaml", name="specserve-dev",
+    header="""
+specserve dev cluster, CPU only: the demo draft/target pair, built into the image (k8s/Dockerfile,
+DEMO=1), on any Kubernetes (kind, minikube, a laptop). Needs ~9 CPUs and ~20 GiB for all pods at
+their maximum; nothing else. The API key secret `specserve-api` is optional here (no key = no auth).
+""",
+    draft=Pool("draft", DRAFT_POOL, cpu="2", memory="4Gi", min_pods=1, max_pods=2),
+    target=Pool("target", TARGET_POOL, cpu="2", memory="4Gi", min_pods=1, max_pods=2),
+    head_cpu="1", head_memory="4Gi",
+    deployments={"DraftServer": {"autoscaling_config": {"max_replicas": 2}}},
+    secrets=API_KEY_OPTIONAL,
+)
+
+TP = 4  # GPUs per target replica: one pod, one STRICT_PACK placement group of TP one-GPU bundles
+GPU_ARGS = {
+    "target": {"model": "meta-llama/Llama-3.1-70B-Instruct", "dtype": "bfloat16", "tensor_parallel_size": TP,
+               "max_cache_bytes": 96 << 30},
+    "draft": {"model": "meta-llama/Llama-3.2-1B-Instruct", "dtype": "bfloat16", "max_cache_bytes": 8 << 30},
+}
+GPU_DEPLOYMENTS = {
+    "DraftServer": {"autoscaling_config": {"max_replicas": 8},
+                    "ray_actor_options": {"num_cpus": 1, "num_gpus": 1}},
+    # no num_gpus: the replica's rank workers hold its GPUs, in the placement group it reserves
+    "TargetServer": {"autoscaling_config": {"max_replicas": 4}, "ray_actor_options": {"num_cpus": 1}},
+}
+GPU_HEADER = """
+Needs: KubeRay >= 1.5, node pools labelled by nvidia.com/gpu.product (GPU feature discovery) and
+tainted nvidia.com/gpu:NoSchedule, the image built by k8s/Dockerfile, and secrets `specserve-hf`
+(key `token`: a Hugging Face token with access to the Llama models) and `specserve-api` (key `key`).
+Draft pool: 1 x L4 per pod, Llama-3.2-1B. Target pool: 4 x H100 80GB per pod, Llama-3.1-70B in
+tensor parallel over the 4 GPUs of one pod. Each pool scales with its own deployment (1-8, 1-4).
+"""
+
+
+def gpu_variant(file: str, name: str, purpose: str, **kw) -> Variant:
+    """The production GPU shape; HA and auth variants add to it."""
+    return Variant(
+        file=file, name=name, header=purpose.strip() + "\n" + GPU_HEADER, gpu=True,
+        draft=Pool("draft-gpu", DRAFT_POOL, cpu="8", memory="32Gi", gpus=1, min_pods=1, max_pods=8,
+                   node_selector={"nvidia.com/gpu.product": "NVIDIA-L4"}, model_cache="20Gi"),
+        target=Pool("target-gpu", TARGET_POOL, cpu="32", memory="384Gi", gpus=TP, min_pods=1, max_pods=4,
+                    node_selector={"nvidia.com/gpu.product": "NVIDIA-H100-80GB-HBM3"},
+                    shm="64Gi", model_cache="300Gi"),
+        head_cpu="8", head_memory="32Gi", args=GPU_ARGS, deployments=kw.pop("deployments", GPU_DEPLOYMENTS),
+        secrets={**HF_TOKEN, **API_KEY},
+        # a 70B download and load can outlast the default wait for the first healthy app
+        annotations={"ray.io/initializing-timeout": "45m"}, **kw)
+
+
+GPU = gpu_variant("ray-service.gpu.yaml", "specserve", "specserve in production on GPUs.")
+HA_DEPLOYMENTS = merge(GPU_DEPLOYMENTS, {
+    "Router": {"num_replicas": 2, "max_replicas_per_node": 1},
+    "Ingress": {"num_replicas": 2, "max_replicas_per_node": 1},
+})
+HA = gpu_variant(
+    "ray-service.ha.yaml", "specserve-ha",
+    """specserve in production on GPUs, highly available: GCS fault tolerance with an external Redis
+(Service `specserve-redis:6379`, password in secret `specserve-redis`, key `password`), so a
+head pod restart does not take the Serve replicas down; Router and Ingress on two pods each.""",
+    redis=True, deployments=HA_DEPLOYMENTS)
+AUTH = gpu_variant(
+    "ray-service.auth.yaml", "specserve-auth",
+    """specserve in production on GPUs with Ray token auth (Ray >= 2.52, KubeRay >= 1.5.1): the
+dashboard, GCS and client ports ask for the token in secret `specserve-ray-token` (key
+`auth_token`). The Serve endpoint is guarded by the application's own API key, as elsewhere.""",
+    token_auth=True)
+
+VARIANTS = [DEV, GPU, HA, AUTH]
+
+
+# Prometheus names of the speculation metrics: Ray prefixes custom metrics with `ray_`; counters
+# end in _total; histograms export _bucket/_sum/_count.
+COUNTERS = ["spec_decode_num_drafts", "spec_decode_num_draft_tokens", "spec_decode_num_accepted_tokens",
+            "spec_decode_num_emitted_tokens", "rounds", "fallback_rounds"]
+HISTOGRAMS = ["round_latency_seconds", "draft_propose_latency_seconds", "target_verify_latency_seconds",
+              "batch_size", "k_chosen"]
+GAUGES = ["kv_cache_bytes", "active_requests"]
+SEL = '{ray_io_cluster=~"$cluster"}'
+RATE = "[$__rate_interval]"
+
+
+def m(name: str, suffix: str = "") -> str:
+    """The exported name of a specserve metric with the dashboard's cluster filter."""
+    return f"ray_specserve_{name}{suffix}{SEL}"
+
+
+def rate(name: str, by: str = "") -> str:
+    group = f" by ({by})" if by else ""
+    return f"sum{group}(rate({m(name, '_total')}{RATE}))"
+
+
+def quantile(q: float, name: str, by: str = "") -> str:
+    return f"histogram_quantile({q}, sum by (le{', ' + by if by else ''})(rate({m(name, '_bucket')}{RATE})))"
+
+
+def mean(name: str, by: str = "") -> str:
+    group = f" by ({by})" if by else ""
+    return f"sum{group}(rate({m(name, '_sum')}{RATE})) / sum{group}(rate({m(name, '_count')}{RATE}))"
+
+
+def panel(title: str, unit: str, targets: list[tuple[str, str]], desc: str) -> dict:
+    return {"type": "timeseries", "title": title, "description": desc,
+            "datasource": {"type": "prometheus", "uid": "${datasource}"},
+            "fieldConfig": {"defaults": {"unit": unit}, "overrides": []},
+            "targets": [{"refId": chr(65 + i), "expr": expr, "legendFormat": legend}
+                        for i, (expr, legend) in enumerate(targets)]}
+
+
+def panels() -> list[dict]:
+    serve = '{ray_io_cluster=~"$cluster", application="specserve"}'
+    return [
+        panel("Acceptance rate", "percentunit", [
+            (f"{rate('spec_decode_num_accepted_tokens')} / {rate('spec_decode_num_draft_tokens')}", "accepted / drafted")],
+            "Share of draft tokens the target accepted (alpha)."),
+        panel("Tokens per second", "short", [
+            (rate("spec_decode_num_emitted_tokens"), "emitted"),
+            (rate("spec_decode_num_accepted_tokens"), "accepted draft tokens")],
+            "Tokens streamed to clients; accepted draft tokens are the ones speculation saved a target step on."),
+        panel("Tokens per round", "short", [
+            (f"{rate('spec_decode_num_emitted_tokens')} / {rate('rounds')}", "emitted / round"),
+            (f"{rate('spec_decode_num_accepted_tokens')} / {rate('spec_decode_num_drafts')}", "accepted / draft"),
+            (mean("k_chosen"), "mean K chosen")],
+            "Mean accepted length (1 = no gain) against the K the controller chose."),
+        panel("Round latency: draft vs verify (p50, p95)", "s", [
+            (quantile(0.5, "round_latency_seconds"), "round p50"),
+            (quantile(0.95, "round_latency_seconds"), "round p95"),
+            (quantile(0.95, "draft_propose_latency_seconds"), "draft propose p95"),
+            (quantile(0.95, "target_verify_latency_seconds"), "target verify p95")],
+            "A round = one draft proposal + one batched target verification."),
+        panel("Batch size per deployment", "short", [
+            (mean("batch_size", "deployment"), "{{deployment}} mean"),
+            (quantile(0.95, "batch_size", "deployment"), "{{deployment}} p95")],
+            "Calls fused into one forward by @serve.batch, DraftServer and TargetServer."),
+        panel("Fallback rounds (plain target steps)", "ops", [
+            (rate("fallback_rounds", "reason"), "{{reason}}"),
+            (f"{rate('fallback_rounds')} / {rate('rounds')}", "share of rounds")],
+            "Rounds run without the draft: unavailable, too slow, or acceptance too low to pay."),
+        panel("Healthy replicas per deployment", "short", [
+            (f"sum by (deployment)(ray_serve_deployment_replica_healthy{serve})", "{{deployment}}")],
+            "Serve replicas; DraftServer and TargetServer autoscale independently."),
+        panel("Ray worker pods per group", "short", [
+            (f"count by (ray_io_group)(ray_node_cpu_count{SEL})", "{{ray_io_group}}")],
+            "Pods of each KubeRay worker group: the draft and target pools scaling."),
+        panel("Active requests and KV cache", "short", [
+            (f"sum({m('active_requests')})", "active requests"),
+            (f"sum by (ray_io_group)({m('kv_cache_bytes')}) / 2^30", "KV cache GiB {{ray_io_group}}")],
+            "Requests in flight in the routers; KV cache held by the replicas of each pool."),
+        panel("HTTP errors", "reqps", [
+            (f"sum by (route, error_code)(rate(ray_serve_num_http_error_requests_total{serve}{RATE}))",
+             "{{route}} {{error_code}}")],
+            "Error responses of the Serve proxies by route and status code."),
+    ]
+
+
+def dashboard() -> dict:
+    """The Grafana dashboard (JSON model) of the speculation and scaling metrics."""
+    ps = panels()
+    for i, p in enumerate(ps):
+        p["id"] = i + 1
+        p["gridPos"] = {"h": 8, "w": 12, "x": 12 * (i % 2), "y": 8 * (i // 2)}
+    variables = [
+        {"name": "datasource", "type": "datasource", "query": "prometheus", "label": "Data source"},
+        {"name": "cluster", "type": "query", "label": "Ray cluster", "includeAll": True, "multi": True,
+         "datasource": {"type": "prometheus", "uid": "${datasource}"}, "refresh": 2,
+         "query": "label_values(ray_serve_deployment_replica_healthy, ray_io_cluster)"},
+    ]
+    return {"title": "specserve: speculative decoding", "uid": "specserve-spec", "tags": ["specserve", "ray"],
+            "schemaVersion": 39, "version": 1, "editable": True, "time": {"from": "now-1h", "to": "now"},
+            "refresh": "30s", "templating": {"list": variables}, "panels": ps}
+
+
+def outputs() -> dict[str, str]:
+    """Every generated file: name under k8s/ -> text."""
+    files = {v.file: render(v) for v in VARIANTS}
+    files["grafana-dashboard.json"] = json.dumps(dashboard(), indent=2) + "\n"
+    return files
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m cluster.k8s", description=__doc__.splitlines()[0])
+    p.add_argument("--check", action="store_true", help="compare with k8s/ instead of writing")
+    p.add_argument("--out", type=Path, default=OUT, help="where to write (default: k8s/)")
+    args = p.parse_args(argv)
+    stale = []
+    for name, text in outputs().items():
+        path = args.out / name
+        if args.check:
+            if not path.exists() or path.read_text() != text:
+                stale.append(name)
+        else:
+            path.write_text(text)
+            print(f"wrote {path}")
+    if stale:
+        print(f"out of date (run python -m cluster.k8s): {', '.join(stale)}", file=sys.stderr)
+    return 1 if stale else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
