@@ -1,0 +1,81 @@
+"""The in-process benchmark on the tiny pair: every mode and key present and sane, plot written,
+a greedy mismatch of one of our modes fails the run."""
+
+import argparse
+import json
+
+import pytest
+
+from app import bench
+
+KEYS = ["output_tokens_per_s", "ttft_ms", "tpot_ms", "itl_ms", "tau", "acceptance_rate", "alpha",
+        "acceptance_by_position", "mean_k", "c_measured", "c_estimator", "bound", "speedup", "efficiency",
+        "identical", "mismatches"]
+
+
+def cli_args(model_dirs, tmp_path, *extra) -> argparse.Namespace:
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text('{"prompt": "def fib(n):\\n", "id": "fib"}\nhello world, this is a prompt\n')
+    argv = ["--target", model_dirs["target"], "--draft", model_dirs["draft"], "--dtype", "float32",
+            "--prompts", str(prompts), "--max-tokens", "8", "--no-progress", *extra]
+    return bench.add_bench_arguments(argparse.ArgumentParser()).parse_args(argv)
+
+
+def test_every_mode_reports_every_key(model_dirs, tmp_path, capsys):
+    out_json, out_png = tmp_path / "r.json", tmp_path / "r.png"
+    args = cli_args(model_dirs, tmp_path, "--json", str(out_json), "--plot", str(out_png))
+    assert bench.bench_cli(args) == 0
+    report = json.loads(out_json.read_text())
+    assert set(report["modes"]) == set(bench.MODES)
+    assert report["identity_passed"] is True
+    for name, row in report["modes"].items():
+        assert set(KEYS) <= set(row), name
+        assert row["output_tokens"] == 2 * 8, name  # EOS ignored everywhere: lengths agree
+        assert row["output_tokens_per_s"] > 0 and row["tau"] >= 1.0
+        assert row["ttft_ms"]["p50"] > 0 and row["tpot_ms"]["p99"] >= row["tpot_ms"]["p50"]
+        if not bench.MODES[name].hf:
+            assert row["identical"], name
+            assert all(0.0 <= a <= 1.0 for a in row["acceptance_by_position"])
+    for name in ["spec-k2", "spec-k4", "spec-k6"]:
+        row = report["modes"][name]
+        assert 0.0 <= row["acceptance_rate"] <= 1.0 and 0.0 <= row["alpha"] <= 1.0
+        assert row["bound"] > 0 and row["efficiency"] > 0 and row["c_estimator"] > 0
+        assert 1 <= len(row["acceptance_by_position"]) <= int(name[-1])
+    assert report["modes"]["target"]["speedup"] == 1.0
+    assert report["modes"]["target"]["mean_k"] == 0.0
+    assert report["costs"]["c"] > 0
+    assert out_png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "spec-auto" in capsys.readouterr().out
+
+
+def test_a_mismatch_of_our_modes_fails_the_run(model_dirs, tmp_path, monkeypatch, capsys):
+    real = bench.run_engine
+
+    def corrupt(engine, ids, mode, max_tokens):
+        run = real(engine, ids, mode, max_tokens)
+        if mode.name == "spec-k4":
+            run.tokens[-1] = (run.tokens[-1] + 1) % engine.target.vocab_size
+        return run
+
+    monkeypatch.setattr(bench, "run_engine", corrupt)
+    args = cli_args(model_dirs, tmp_path, "--modes", "spec-k2,spec-k4", "--plot", "")
+    assert bench.bench_cli(args) == 1
+    err = capsys.readouterr().err
+    assert "spec-k4" in err and "'fib'" in err and "output token 7" in err
+
+
+def test_bad_options_are_refused(model_dirs, tmp_path, capsys):
+    assert bench.bench_cli(cli_args(model_dirs, tmp_path, "--modes", "target,k9")) == 2
+    assert "k9" in capsys.readouterr().err
+    assert bench.bench_cli(cli_args(model_dirs, tmp_path, "--url", "http://localhost:8000")) == 2
+    assert "not available yet" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("text, expected", [
+    ('{"prompt": "a b", "id": "x"}\n\nplain line\n', (["a b", "plain line"], ["x", "2"])),
+])
+def test_prompts_file_formats(tmp_path, text, expected):
+    path = tmp_path / "p.jsonl"
+    path.write_text(text)
+    assert bench.load_prompts(str(path), None) == expected
+    assert bench.load_prompts(str(path), 1) == (expected[0][:1], expected[1][:1])
