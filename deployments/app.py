@@ -30,6 +30,22 @@ def resolve_models(cfg: AppConfig) -> tuple[str, str | None]:
     return target, draft
 
 
+def tensor_parallel_options(cfg: AppConfig) -> dict:
+    """Placement group of a tensor-parallel TargetServer replica: N bundles on one node (STRICT_PACK).
+
+    Bundle 0 also holds the replica itself (its ray_actor_options must fit: by default 0.25 CPU and
+    one unit of the target pool's resource); bundle i holds rank worker i.
+    """
+    n = cfg.target.tensor_parallel_size
+    if n == 1:
+        return {}
+    rank = dict(cfg.target.rank_resources)
+    first = {**rank, "CPU": rank.get("CPU", 0) + 0.25}
+    if cfg.target.pool_resource:
+        first[cfg.target.pool_resource] = 1
+    return {"placement_group_bundles": [first] + [rank] * (n - 1), "placement_group_strategy": "STRICT_PACK"}
+
+
 def build_app(args: dict) -> Application:
     """The specserve application; `args` is AppConfig (the `args` of cluster/serve_config.yaml)."""
     cfg = AppConfig.model_validate(args or {})
@@ -47,6 +63,7 @@ def build_app(args: dict) -> Application:
     target = serve.deployment(
         TargetServer, name="TargetServer", max_ongoing_requests=128, ray_actor_options={"num_cpus": 0.25},
         request_router_config=affinity, health_check_period_s=5, health_check_timeout_s=30,
+        **tensor_parallel_options(cfg),
     ).bind(cfg.target, target_path, cfg.target_batch)
     router = serve.deployment(
         Router, name="Router", max_ongoing_requests=256, ray_actor_options={"num_cpus": 0.1},

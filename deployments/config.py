@@ -22,6 +22,11 @@ class TargetConfig(ModelConfig):
 
     dtype: str = Field("bfloat16", description="float32, bfloat16, float16 or auto.")
     tensor_parallel_size: int = Field(1, ge=1, description="Rank workers (one GPU each) per TargetServer replica.")
+    rank_resources: dict[str, float] = Field(
+        default_factory=lambda: {"CPU": 0.25},
+        description="Resources of each rank worker and its placement-group bundle ({GPU: 1, CPU: n} on GPU nodes).")
+    pool_resource: str | None = Field(
+        "target_pool", description="Custom resource of the target node pool, added to bundle 0 so the group lands there.")
 
 
 class SpeculationConfig(BaseModel):
@@ -56,7 +61,8 @@ class LimitsConfig(BaseModel):
     default_max_tokens: int = Field(16, ge=1, description="max_tokens when a request does not say (OpenAI's 16).")
     request_timeout_s: float = Field(300.0, gt=0, description="A request past this ends with 408.")
     max_body_bytes: int = Field(1 << 20, gt=0, description="Larger request bodies get 413.")
-    target_retries: int = Field(3, ge=0, description="Retries of a verify whose replica died.")
+    target_retries: int = Field(
+        8, ge=0, description="Retries of a verify whose replica died (backoff 0.5 s doubling to 5 s: ~30 s in all).")
 
 
 class AppConfig(BaseModel):

@@ -1,0 +1,129 @@
+"""Tensor parallelism: one rank worker per bundle of the TargetServer replica's placement group.
+
+The ranks form a torch.distributed group (NCCL on GPU, gloo on CPU) and load the target sharded
+with transformers' own tensor-parallel plan (`DistributedConfig(tp_size=N)`). Every verify batch
+goes to every rank in the same order (collectives must match); each rank keeps its heads' share of
+every sequence's KV cache and computes the same sampling from the same all-gathered logits (the
+randomness is addressed by seed and position), so rank 0's answer is the group's.
+"""
+
+import asyncio
+import os
+import socket
+
+import ray
+import torch
+from ray.util.placement_group import get_current_placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+from app.runner import DTYPES, ModelRunner
+from app.spec import Verdict, VerifyItem, verify
+from deployments.config import TargetConfig
+
+
+class RankFailure(RuntimeError):
+    """A rank worker died or hung: the replica is unhealthy and Serve replaces it."""
+
+
+def check_divisible(path: str, n: int, trust_remote_code: bool = False) -> None:
+    """Raise a clear error unless N divides the model's attention and key/value heads."""
+    cfg = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
+    heads = getattr(cfg, "num_attention_heads", None)
+    kv = getattr(cfg, "num_key_value_heads", None) or heads
+    if heads is None or heads % n or kv % n:
+        raise ValueError(f"tensor_parallel_size={n} must divide the target's attention heads ({heads}) and "
+                         f"key/value heads ({kv}); choose a divisor")
+
+
+class RankWorker:
+    """One rank: a shard of the target in a ModelRunner. Runs calls one at a time, in order."""
+
+    def __init__(self, rank: int, world: int, address: str, port: int, cfg: TargetConfig, path: str):
+        cuda = torch.cuda.is_available() and cfg.device != "cpu"
+        os.environ.update(MASTER_ADDR=address, MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
+                          LOCAL_RANK="0" if cuda else str(rank))  # Ray gives each rank its own GPU as cuda:0
+        torch.distributed.init_process_group("nccl" if cuda else "gloo", rank=rank, world_size=world)
+        from transformers.distributed import DistributedConfig
+
+        model = AutoModelForCausalLM.from_pretrained(
+            path, dtype=DTYPES[cfg.dtype], distributed_config=DistributedConfig(tp_size=world),
+            trust_remote_code=cfg.trust_remote_code)
+        tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=cfg.trust_remote_code)
+        self.runner = ModelRunner(model.eval(), tokenizer, max_cache_bytes=cfg.max_cache_bytes)
+        self.rank = rank
+
+    def verify(self, items: list[VerifyItem]) -> list[Verdict]:
+        return verify(self.runner, items)
+
+    def release(self, seq_id: str) -> None:
+        self.runner.release(seq_id)
+
+    def stats(self) -> dict:
+        c = self.runner.cache
+        return {"kv_cache_bytes": c.nbytes, "sequences": len(c), "evictions": c.evictions}
+
+    def ping(self) -> int:
+        return self.rank
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("", 0))
+        return s.getsockname()[1]
+
+
+class RankGroup:
+    """The N rank workers of one TargetServer replica, placed in its placement group's bundles."""
+
+    def __init__(self, cfg: TargetConfig, path: str, replica_id: str, timeout_s: float = 120.0):
+        n = cfg.tensor_parallel_size
+        check_divisible(path, n, cfg.trust_remote_code)
+        pg = get_current_placement_group()
+        if pg is None or len(pg.bundle_specs) < n:
+            raise RuntimeError(f"tensor_parallel_size={n} needs a placement group of {n} bundles "
+                               "(build_app sets placement_group_bundles; is it overridden?)")
+        gpus = float(cfg.rank_resources.get("GPU", 0))
+        custom = {k: v for k, v in cfg.rank_resources.items() if k not in ("CPU", "GPU")}
+        address, port = ray.util.get_node_ip_address(), _free_port()
+        worker = ray.remote(RankWorker)
+        self.ranks = [
+            worker.options(
+                name=f"specserve-rank-{replica_id}-{i}", namespace="specserve",
+                num_cpus=cfg.rank_resources.get("CPU", 0), num_gpus=gpus, resources=custom, max_restarts=0,
+                scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=i),
+            ).remote(i, n, address, port, cfg, path)
+            for i in range(n)
+        ]
+        self.timeout_s = timeout_s
+        self.failed: str | None = None
+        ray.get([r.ping.remote() for r in self.ranks], timeout=600)  # all loaded (or raise now)
+
+    async def _all(self, method: str, *args):
+        """Call every rank; rank 0's result. A dead or hung rank fails the whole replica."""
+        if self.failed:
+            raise RankFailure(self.failed)
+        refs = [getattr(r, method).remote(*args) for r in self.ranks]
+        try:
+            results = await asyncio.wait_for(asyncio.gather(*refs), self.timeout_s)
+        except Exception as e:
+            self.failed = f"rank worker failed during {method}: {type(e).__name__}: {e}"
+            raise RankFailure(self.failed) from e
+        return results[0]
+
+    async def verify(self, items: list[VerifyItem]) -> list[Verdict]:
+        return await self._all("verify", items)
+
+    async def release(self, seq_id: str) -> None:
+        await self._all("release", seq_id)
+
+    async def stats(self) -> dict:
+        return await self._all("stats")
+
+    async def check_health(self) -> None:
+        """Healthy only while every rank answers a ping."""
+        await self._all("ping")
+
+    def shutdown(self) -> None:
+        for r in self.ranks:
+            ray.kill(r)
