@@ -22,6 +22,7 @@ class ProposeItem:
     k: int
     sampling: SamplingParams
     seed: int
+    trace: dict | None = None  # W3C trace context of the caller's span, when tracing
 
 
 @dataclass
@@ -31,6 +32,7 @@ class Proposal:
     tokens: list[int]
     q_ids: torch.Tensor  # [k, M] int64
     q_probs: torch.Tensor  # [k, M] float32, rows sum to 1
+    stats: dict = field(default_factory=dict)  # filled by the serving replica (batch size, forward time)
 
     @classmethod
     def empty(cls) -> "Proposal":
@@ -46,6 +48,7 @@ class VerifyItem:
     proposal: Proposal
     sampling: SamplingParams
     seed: int
+    trace: dict | None = None  # W3C trace context of the caller's span, when tracing
 
 
 @dataclass

@@ -18,8 +18,12 @@ DRAFT_POOL, TARGET_POOL = "draft_pool", "target_pool"
 class LocalCluster:
     """Head node = target pool; `draft_nodes` more nodes = draft pool. Use as a context manager."""
 
-    def __init__(self, draft_nodes: int = 1, cpus_per_node: int = 4, pool_slots: int = 8):
+    def __init__(self, draft_nodes: int = 1, cpus_per_node: int = 4, pool_slots: int = 8,
+                 system_config: dict | None = None):
         self.draft_nodes, self.cpus, self.slots = draft_nodes, cpus_per_node, pool_slots
+        # Ray's _system_config, e.g. {"metrics_report_interval_ms": 1000} for a quicker metrics export;
+        # every node's metrics agent serves Prometheus text on the node's MetricsExportPort (see ray.nodes())
+        self.system_config = system_config or {}
         self.cluster = None
 
     def __enter__(self) -> "LocalCluster":
@@ -35,8 +39,10 @@ class LocalCluster:
         from ray.cluster_utils import Cluster
 
         common = {"num_cpus": self.cpus, "include_dashboard": False}
-        self.cluster = Cluster(initialize_head=True, connect=False,
-                               head_node_args={**common, "resources": {TARGET_POOL: self.slots}})
+        head = {**common, "resources": {TARGET_POOL: self.slots}}
+        if self.system_config:
+            head["_system_config"] = self.system_config  # the head's system config applies cluster-wide
+        self.cluster = Cluster(initialize_head=True, connect=False, head_node_args=head)
         for _ in range(self.draft_nodes):
             self.cluster.add_node(num_cpus=self.cpus, resources={DRAFT_POOL: self.slots})
         self.cluster.wait_for_nodes()

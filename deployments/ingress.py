@@ -14,12 +14,14 @@ import uuid
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
+from opentelemetry.trace import SpanKind
 from pydantic import ValidationError
 from ray import serve
 from ray.serve.exceptions import BackPressureError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from transformers import AutoTokenizer
 
+from app import telemetry
 from app.openai_protocol import (ChatCompletionRequest, CompletionRequest, completion_body, error_body, new_id,
                                  sse_event)
 from app.params import SpeculationParams
@@ -92,6 +94,7 @@ class Ingress:
         self.api_key = os.environ.get(cfg.api_key_env) or None  # a secret from the environment, never the config
         default = cfg.speculation.default_num_tokens
         self.default_spec = SpeculationParams(num_tokens=default)
+        telemetry.configure_tracing("ingress")
 
     # -- endpoints ---------------------------------------------------------------------------
     @api.get("/health")
@@ -168,6 +171,22 @@ class Ingress:
         return asked
 
     async def _serve(self, request: Request, model_cls, chat: bool):
+        """The request in its HTTP span (a child of the client's traceparent, if it sent one)."""
+        span = telemetry.start_span(f"POST {request.url.path}", dict(request.headers),
+                                    {"http.request.method": "POST", "url.path": request.url.path}, SpanKind.SERVER)
+        streaming = False
+        try:
+            response = await self._respond(request, model_cls, chat, span)
+            streaming = isinstance(response, StreamingResponse)  # then the stream ends the span
+            return response
+        except APIError as e:
+            telemetry.set_attributes(span, {"http.response.status_code": e.status, "error.type": e.type})
+            raise
+        finally:
+            if span is not None and not streaming:
+                span.end()
+
+    async def _respond(self, request: Request, model_cls, chat: bool, span):
         self._authorize(request)
         body = await self._parse(request, model_cls)
         if body.model != self.model_name:
@@ -184,14 +203,14 @@ class Ingress:
             raise invalid(e.errors()) from None
         rid = new_id("chatcmpl" if chat else "cmpl")
         stream = self.router.options(stream=True).generate.remote(uuid.uuid4().hex, prompt_ids,
-                                                                  params.model_dump())
+                                                                  params.model_dump(), telemetry.carrier(span))
         deadline = asyncio.get_running_loop().time() + self.cfg.limits.request_timeout_s
         first = await self._next(stream, deadline)  # errors before any token get a proper status
         if first.get("error"):
             raise APIError.from_router(first["error"])
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            return StreamingResponse(self._sse(rid, first, stream, deadline, chat, include_usage),
+            return StreamingResponse(self._sse(rid, first, stream, deadline, chat, include_usage, span),
                                      media_type="text/event-stream")
         text, last = first.get("text", ""), first
         while "finish_reason" not in last:
@@ -217,7 +236,7 @@ class Ingress:
         except StopAsyncIteration:
             raise APIError(503, "generation ended without a result", "service_unavailable") from None
 
-    async def _sse(self, rid: str, first: dict, stream, deadline: float, chat: bool, include_usage: bool):
+    async def _sse(self, rid: str, first: dict, stream, deadline: float, chat: bool, include_usage: bool, span=None):
         chunk = first
         try:
             while True:
@@ -241,4 +260,6 @@ class Ingress:
             yield sse_event(error_body(e.message, e.type, e.param, e.code))
         finally:
             stream.cancel()  # a client that went away stops the generation and frees its caches
+            if span is not None:
+                span.end()
         yield "data: [DONE]\n\n"

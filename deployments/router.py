@@ -14,12 +14,14 @@ from ray.exceptions import ActorUnavailableError, RayActorError
 from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError
 from transformers import AutoTokenizer
 
+from app import telemetry
 from app.controller import CostEstimator, KController, KControllerConfig
 from app.driver import DraftUnavailable, run_rounds
 from app.params import SamplingParams
 from app.request import RequestState
 from app.spec import Proposal, ProposeItem, Verdict, VerifyItem
 from deployments.config import AppConfig
+from deployments.metrics import RouterMetrics
 
 log = logging.getLogger("ray.serve")
 
@@ -40,18 +42,22 @@ class Router:
         self.costs = CostEstimator()
         self.target_batch = 1.0  # EMA of the target's batch size, for load-aware K
         self._draft_down_until = 0.0
+        self._draft_down_reason = "draft_unavailable"
         self.active = 0
+        self.metrics = RouterMetrics()
+        telemetry.configure_tracing("router")
 
     async def _propose(self, item: ProposeItem) -> Proposal:
         if time.monotonic() < self._draft_down_until:
-            raise DraftUnavailable("draft pool backing off")
+            raise DraftUnavailable("draft pool backing off", self._draft_down_reason)
         try:
             return await asyncio.wait_for(self.draft.propose.remote(item), self.cfg.speculation.draft_timeout_s)
         except (asyncio.TimeoutError, *REPLICA_GONE) as e:
             log.warning("draft unavailable (%s); plain target steps for %.1fs", type(e).__name__,
                         self.cfg.speculation.draft_retry_after_s)
             self._draft_down_until = time.monotonic() + self.cfg.speculation.draft_retry_after_s
-            raise DraftUnavailable(str(e)) from e
+            self._draft_down_reason = "deadline" if isinstance(e, asyncio.TimeoutError) else "draft_unavailable"
+            raise DraftUnavailable(str(e), self._draft_down_reason) from e
 
     async def _verify(self, item: VerifyItem) -> Verdict:
         retries = self.cfg.limits.target_retries
@@ -64,6 +70,7 @@ class Router:
                 log.warning("verify failed on a gone target replica (%s), attempt %d", type(e).__name__, attempt + 1)
                 if attempt == retries:
                     raise TargetUnavailable(str(e)) from e
+                self.metrics.retry()
                 await asyncio.sleep(min(0.5 * 2**attempt, 5.0))
         raise AssertionError("unreachable")
 
@@ -72,16 +79,25 @@ class Router:
         # draft token costs about B / saturation of a step
         return max(0.0, self.target_batch - 1) / self.cfg.speculation.verify_saturation_tokens * self.target_batch
 
-    async def generate(self, request_id: str, prompt_ids: list[int], params: dict) -> AsyncIterator[dict]:
-        """Stream {token_ids, text} per round, then {finish_reason, usage, speculation} (or {error})."""
+    async def generate(self, request_id: str, prompt_ids: list[int], params: dict,
+                       trace: dict | None = None) -> AsyncIterator[dict]:
+        """Stream {token_ids, text} per round, then {finish_reason, usage, speculation} (or {error}).
+
+        `trace`: the caller's W3C trace context; the generation span is its child.
+        """
         sp = SamplingParams.model_validate(params)
         state = RequestState(request_id, prompt_ids, sp, self.tokenizer, self.max_context)
         controller = KController(KControllerConfig(k_max=self.cfg.speculation.k_max),
                                  pinned_k=sp.speculation.pinned_k() if self.cfg.draft else 0)
         propose = self._propose if self.cfg.draft else None
+        observer = self.metrics.request()
+        span = telemetry.start_span("generate", trace, {"specserve.prompt_tokens": len(prompt_ids),
+                                                        "specserve.max_tokens": sp.max_tokens})
         self.active += 1
+        self.metrics.set_active(self.active)
         try:
-            async for kept in run_rounds(state, propose, self._verify, controller, self.costs, self._verify_cost):
+            async for kept in run_rounds(state, propose, self._verify, controller, self.costs, self._verify_cost,
+                                         observer, telemetry.context_of(span)):
                 delta = state.take_delta()
                 if kept or delta:
                     yield {"token_ids": kept, "text": delta}
@@ -94,6 +110,13 @@ class Router:
                              "code": 503}}
         finally:
             self.active -= 1
+            self.metrics.set_active(self.active)
+            observer.finish()
+            telemetry.set_attributes(span, {"specserve.completion_tokens": len(state.output_ids),
+                                            "specserve.rounds": state.stats.rounds,
+                                            "specserve.finish_reason": state.finish_reason})
+            if span is not None:
+                span.end()
             self.target.release.remote(request_id)
             if self.cfg.draft:
                 self.draft.release.remote(request_id)

@@ -4,14 +4,18 @@ The classes carry no @serve.deployment: build_app applies it with options from t
 """
 
 import asyncio
+import contextlib
+import time
 
 import ray
 import torch
 from ray import serve
 
+from app import telemetry
 from app.runner import ModelRunner
 from app.spec import Proposal, ProposeItem, Verdict, VerifyItem, propose, verify
 from deployments.config import BatchConfig, ModelConfig
+from deployments.metrics import ServerMetrics
 
 
 def load_runner(cfg: ModelConfig, path: str) -> ModelRunner:
@@ -33,12 +37,26 @@ class _Server:
     def __init__(self, cfg: ModelConfig, path: str, batch: BatchConfig, method):
         self.runner = load_runner(cfg, path)
         self.replica_id = _replica_id()
+        self.metrics = ServerMetrics()
+        telemetry.configure_tracing(type(self).__name__)
         method.set_max_batch_size(batch.max_batch_size)
         method.set_batch_wait_timeout_s(batch.batch_wait_timeout_s)
+
+    @contextlib.contextmanager
+    def _observed(self, name: str, items: list):
+        """Spans (one per traced item) and metrics around a batch; yields the stats each answer carries."""
+        stats = {"batch_size": len(items), "replica": self.replica_id}
+        attrs = {"specserve.batch_size": len(items), "specserve.replica": self.replica_id}
+        t0 = time.perf_counter()
+        with telemetry.batch_spans(name, [it.trace for it in items], attrs):
+            yield stats
+        stats["forward_s"] = time.perf_counter() - t0
+        self.metrics.batch(len(items), self.runner.cache)
 
     async def release(self, seq_id: str) -> None:
         """Free a finished request's cache."""
         self.runner.release(seq_id)
+        self.metrics.cache(self.runner.cache)
 
     async def stats(self) -> dict:
         """KV cache occupancy of this replica."""
@@ -62,7 +80,11 @@ class DraftServer(_Server):
     @serve.batch(max_batch_size=16, batch_wait_timeout_s=0.002)
     async def propose(self, items: list[ProposeItem]) -> list[Proposal]:
         # the forward runs in a thread so the replica keeps queueing the next batch meanwhile
-        return await asyncio.to_thread(propose, self.runner, items, self.top_n)
+        with self._observed("DraftServer.propose", items) as stats:
+            proposals = await asyncio.to_thread(propose, self.runner, items, self.top_n)
+        for p in proposals:
+            p.stats.update(stats)
+        return proposals
 
 
 class TargetServer(_Server):
@@ -73,7 +95,8 @@ class TargetServer(_Server):
 
     @serve.batch(max_batch_size=32, batch_wait_timeout_s=0.002)
     async def verify(self, items: list[VerifyItem]) -> list[Verdict]:
-        verdicts = await asyncio.to_thread(verify, self.runner, items)
+        with self._observed("TargetServer.verify", items) as stats:
+            verdicts = await asyncio.to_thread(verify, self.runner, items)
         for v in verdicts:
-            v.stats["replica"] = self.replica_id
+            v.stats.update(stats)
         return verdicts

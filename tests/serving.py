@@ -23,8 +23,12 @@ def save_tiny_pair(root) -> tuple[str, str]:
 
 
 @contextlib.contextmanager
-def running_app(target: str, draft: str | None, args: dict | None = None, deployments: dict | None = None):
-    """Yield the base URL of the app deployed on a fresh local cluster; stop the cluster after."""
+def running_app(target: str, draft: str | None, args: dict | None = None, deployments: dict | None = None,
+                env: dict | None = None, system_config: dict | None = None):
+    """Yield the base URL of the app deployed on a fresh local cluster; stop the cluster after.
+
+    `env`: environment variables of every replica (the application's runtime_env), e.g. OTEL_*.
+    """
     from cluster.local import LocalCluster, deploy, load_config
 
     port = free_port()
@@ -32,6 +36,8 @@ def running_app(target: str, draft: str | None, args: dict | None = None, deploy
             "draft": {"model": draft} if draft else None,
             "speculation": {"draft_timeout_s": 30.0}}
     config = load_config(args={**base, **(args or {})}, deployments=deployments, port=port)
-    with LocalCluster():
+    if env:
+        config["applications"][0]["runtime_env"] = {"env_vars": env}
+    with LocalCluster(system_config=system_config):
         deploy(config, timeout_s=300)
         yield f"http://127.0.0.1:{port}"

@@ -1,0 +1,120 @@
+"""The Prometheus metrics of specserve, as Ray Serve metric objects (exported by Ray's metrics agent).
+
+Ray prefixes every name with `ray_`, counters end in `_total` and histograms export
+`_bucket/_sum/_count`; Serve adds the `deployment`, `replica` and `application` labels. No label
+ever names a request: cardinality stays bounded by replicas, K positions and fallback reasons.
+"""
+
+import time
+
+from ray.serve.metrics import Counter, Gauge, Histogram
+
+from app.telemetry import RoundFacts
+
+LATENCY_S = [0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0]
+TTFT_S = [0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0]
+BATCH = [1, 2, 4, 8, 16, 32, 64, 128, 256]
+K = [0.5, 1, 2, 3, 4, 5, 6, 7, 8, 10, 12, 16, 24, 32]  # 0.5: the bucket of K = 0 (bounds must be > 0)
+
+
+def _name(short: str) -> str:
+    return f"specserve_{short}"
+
+
+class RouterMetrics:
+    """Per-round counters and latencies, and requests in flight, of one Router replica."""
+
+    def __init__(self):
+        c = lambda n, d, tags=(): Counter(_name(n), d, tag_keys=tags)  # noqa: E731
+        h = lambda n, d, b, tags=(): Histogram(_name(n), d, boundaries=b, tag_keys=tags)  # noqa: E731
+        self.drafts = c("spec_decode_num_drafts", "Rounds in which the draft proposed tokens.")
+        self.draft_tokens = c("spec_decode_num_draft_tokens", "Draft tokens checked by the target.")
+        self.accepted = c("spec_decode_num_accepted_tokens", "Draft tokens the target accepted.")
+        self.accepted_per_pos = c("spec_decode_num_accepted_tokens_per_pos",
+                                  "Accepted draft tokens by position in the proposal (0 = first).", ("position",))
+        self.emitted = c("spec_decode_num_emitted_tokens", "Tokens produced by rounds (accepted + recovered/bonus).")
+        self.rounds = c("rounds", "Rounds: one target verification each.")
+        self.fallback_rounds = c("fallback_rounds", "Rounds run as plain target steps, by reason.", ("reason",))
+        self.target_retries = c("target_retries", "Verify calls sent again after a target replica failed.")
+        self.round_latency = h("round_latency_seconds", "One round: propose + verify, as the router sees it.",
+                               LATENCY_S)
+        self.propose_latency = h("draft_propose_latency_seconds", "Draft propose round trip from the router.",
+                                 LATENCY_S)
+        self.verify_latency = h("target_verify_latency_seconds", "Target verify round trip from the router.",
+                                LATENCY_S)
+        self.queue = h("batch_queue_seconds",
+                       "Round trip minus the replica's batch forward: waiting for a batch + the handle hop.",
+                       LATENCY_S, ("server",))
+        self.k_chosen = h("k_chosen", "K of each round (0 = plain target step).", K)
+        self.accepted_length = h("accepted_length", "Tokens emitted per round (tau; 1 = no gain).", K)
+        self.ttft = h("ttft_seconds", "Time to the first token, from the router's start of the request.", TTFT_S)
+        self.tpot = h("tpot_seconds", "Mean time per output token after the first, per request.", LATENCY_S)
+        self.active = Gauge(_name("active_requests"), "Requests in flight in this router.")
+        self.active.set(0)
+
+    def request(self) -> "RequestMetrics":
+        """The round observer of one request."""
+        return RequestMetrics(self)
+
+    def retry(self) -> None:
+        self.target_retries.inc()
+
+    def set_active(self, n: int) -> None:
+        self.active.set(n)
+
+
+class RequestMetrics:
+    """Sees one request's rounds (app.telemetry.RoundObserver); records TTFT and TPOT."""
+
+    def __init__(self, m: RouterMetrics):
+        self.m, self.start, self.first, self.tokens = m, time.perf_counter(), None, 0
+
+    def round(self, f: RoundFacts) -> None:
+        m = self.m
+        m.rounds.inc()
+        if f.emitted:  # Ray counters refuse increments of 0
+            m.emitted.inc(f.emitted)
+        m.round_latency.observe(f.round_s)
+        m.k_chosen.observe(f.k)
+        m.accepted_length.observe(f.emitted)
+        m.verify_latency.observe(f.verify_s)
+        m.queue.observe(max(0.0, f.verify_s - f.verify_forward_s), {"server": "target"})
+        if f.drafted:
+            m.drafts.inc()
+            m.draft_tokens.inc(f.drafted)
+            m.propose_latency.observe(f.draft_s)
+            m.queue.observe(max(0.0, f.draft_s - f.draft_forward_s), {"server": "draft"})
+        if f.accepted:
+            m.accepted.inc(f.accepted)
+        for j in range(f.accepted):
+            m.accepted_per_pos.inc(1, {"position": str(j)})
+        if f.fallback:
+            m.fallback_rounds.inc(1, {"reason": f.fallback})
+        if f.emitted and self.first is None:
+            self.first = time.perf_counter()
+            m.ttft.observe(self.first - self.start)
+        self.tokens += f.emitted
+
+    def finish(self) -> None:
+        """At the end of the request: its mean time per output token."""
+        if self.first is not None and self.tokens > 1:
+            self.m.tpot.observe((time.perf_counter() - self.first) / (self.tokens - 1))
+
+
+class ServerMetrics:
+    """Batch sizes and KV cache occupancy of one DraftServer or TargetServer replica."""
+
+    def __init__(self):
+        self.batch_size = Histogram(_name("batch_size"), "Calls fused into one forward by @serve.batch.",
+                                    boundaries=BATCH)
+        self.kv_bytes = Gauge(_name("kv_cache_bytes"), "KV cache bytes held by this replica.")
+        self.kv_sequences = Gauge(_name("kv_cache_sequences"), "Sequences with a KV cache on this replica.")
+
+    def batch(self, size: int, cache) -> None:
+        """After a batch: its size and the cache it left."""
+        self.batch_size.observe(size)
+        self.cache(cache)
+
+    def cache(self, cache) -> None:
+        self.kv_bytes.set(cache.nbytes)
+        self.kv_sequences.set(len(cache))
