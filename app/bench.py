@@ -456,6 +456,7 @@ def add_bench_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--dtype", default="bfloat16", help="target dtype: float32, bfloat16, float16 or auto")
     p.add_argument("--draft-dtype", default="float32", help="draft dtype")
     p.add_argument("--device", default="cpu", help="torch device of both models")
+    p.add_argument("--threads", type=int, help="torch CPU threads (default: torch's; 1 is steadier on a busy machine)")
     p.add_argument("--modes", default=",".join(MODES), help=f"comma-separated subset of: {', '.join(MODES)}")
     p.add_argument("--json", help="write the report as JSON here")
     p.add_argument("--plot", default="bench.png", help="write the two-panel plot here (PNG)")
@@ -488,6 +489,8 @@ def bench_cli(args) -> int:
     from transformers.utils import logging as hf_logging
 
     hf_logging.set_verbosity_error()  # HF's per-call generation notices would drown the table
+    if args.threads:
+        torch.set_num_threads(args.threads)
     prompts, names = load_prompts(args.prompts, args.num_prompts)
     engine = _load(args)
     try:
