@@ -21,11 +21,17 @@ from app.params import SamplingParams
 from app.request import RequestState
 from app.spec import Proposal, ProposeItem, Verdict, VerifyItem
 from deployments.config import AppConfig
+from deployments.tp import RankFailure
 from deployments.metrics import RouterMetrics
 
 log = logging.getLogger("ray.serve")
 
-REPLICA_GONE = (RayActorError, ActorUnavailableError, DeploymentUnavailableError, BackPressureError)
+REPLICA_GONE = (RayActorError, ActorUnavailableError, DeploymentUnavailableError, BackPressureError, RankFailure)
+
+
+def replica_gone(e: BaseException) -> bool:
+    """Whether a call failed because its replica (or one of its rank workers) is gone, not the request."""
+    return isinstance(e, REPLICA_GONE) or isinstance(getattr(e, "cause", None), REPLICA_GONE)
 
 
 class TargetUnavailable(Exception):
@@ -66,7 +72,9 @@ class Router:
                 verdict = await self.target.verify.remote(item)
                 self.target_batch = 0.8 * self.target_batch + 0.2 * verdict.stats.get("batch_size", 1)
                 return verdict
-            except REPLICA_GONE as e:
+            except Exception as e:
+                if not replica_gone(e):
+                    raise
                 log.warning("verify failed on a gone target replica (%s), attempt %d", type(e).__name__, attempt + 1)
                 if attempt == retries:
                     raise TargetUnavailable(str(e)) from e

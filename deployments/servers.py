@@ -14,8 +14,9 @@ from ray import serve
 from app import telemetry
 from app.runner import ModelRunner
 from app.spec import Proposal, ProposeItem, Verdict, VerifyItem, propose, verify
-from deployments.config import BatchConfig, ModelConfig
+from deployments.config import BatchConfig, ModelConfig, TargetConfig
 from deployments.metrics import ServerMetrics
+from deployments.tp import RankGroup
 
 
 def load_runner(cfg: ModelConfig, path: str) -> ModelRunner:
@@ -35,12 +36,20 @@ class _Server:
     """What both servers share: the runner, batching settings, cache release and stats."""
 
     def __init__(self, cfg: ModelConfig, path: str, batch: BatchConfig, method):
-        self.runner = load_runner(cfg, path)
         self.replica_id = _replica_id()
+        self.runner = self._load(cfg, path)
         self.metrics = ServerMetrics()
         telemetry.configure_tracing(type(self).__name__)
         method.set_max_batch_size(batch.max_batch_size)
         method.set_batch_wait_timeout_s(batch.batch_wait_timeout_s)
+
+    def _load(self, cfg: ModelConfig, path: str):
+        return load_runner(cfg, path)
+
+    @property
+    def cache(self):
+        """The KV store (or a tensor-parallel group's snapshot of rank 0's) for stats and metrics."""
+        return self.runner.cache
 
     @contextlib.contextmanager
     def _observed(self, name: str, items: list):
@@ -51,16 +60,16 @@ class _Server:
         with telemetry.batch_spans(name, [it.trace for it in items], attrs):
             yield stats
         stats["forward_s"] = time.perf_counter() - t0
-        self.metrics.batch(len(items), self.runner.cache)
+        self.metrics.batch(len(items), self.cache)
 
     async def release(self, seq_id: str) -> None:
         """Free a finished request's cache."""
         self.runner.release(seq_id)
-        self.metrics.cache(self.runner.cache)
+        self.metrics.cache(self.cache)
 
     async def stats(self) -> dict:
         """KV cache occupancy of this replica."""
-        cache = self.runner.cache
+        cache = self.cache
         return {"replica": self.replica_id, "node_id": ray.get_runtime_context().get_node_id(),
                 "kv_cache_bytes": cache.nbytes, "sequences": len(cache), "evictions": cache.evictions}
 
@@ -88,15 +97,52 @@ class DraftServer(_Server):
 
 
 class TargetServer(_Server):
-    """Verifies many sequences' proposals in one target forward."""
+    """Verifies many sequences' proposals in one target forward; tensor-parallel over rank workers when N > 1."""
 
-    def __init__(self, cfg: ModelConfig, path: str, batch: BatchConfig):
+    def __init__(self, cfg: TargetConfig, path: str, batch: BatchConfig):
+        self.ranks: RankGroup | None = None
         super().__init__(cfg, path, batch, self.verify)
+
+    def _load(self, cfg: TargetConfig, path: str):
+        if cfg.tensor_parallel_size == 1:
+            return load_runner(cfg, path)
+        self.ranks = RankGroup(cfg, path, self.replica_id)
+        return None
+
+    @property
+    def cache(self):
+        return self.ranks.cache if self.ranks else self.runner.cache
+
+    async def release(self, seq_id: str) -> None:
+        if self.ranks:
+            await self.ranks.release(seq_id)
+            self.metrics.cache(self.cache)
+        else:
+            await super().release(seq_id)
+
+    async def stats(self) -> dict:
+        if self.ranks:
+            await self.ranks.stats()
+        return await super().stats()
+
+    async def check_health(self) -> None:
+        """Unhealthy when a rank worker died or hangs: Serve then replaces the replica and its group."""
+        if self.ranks:
+            await self.ranks.check_health()
+        else:
+            await super().check_health()
+
+    def __del__(self):
+        if getattr(self, "ranks", None):
+            self.ranks.shutdown()
 
     @serve.batch(max_batch_size=32, batch_wait_timeout_s=0.002)
     async def verify(self, items: list[VerifyItem]) -> list[Verdict]:
         with self._observed("TargetServer.verify", items) as stats:
-            verdicts = await asyncio.to_thread(verify, self.runner, items)
+            if self.ranks:
+                verdicts = await self.ranks.verify(items)
+            else:
+                verdicts = await asyncio.to_thread(verify, self.runner, items)
         for v in verdicts:
             v.stats.update(stats)
         return verdicts

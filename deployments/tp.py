@@ -10,6 +10,7 @@ randomness is addressed by seed and position), so rank 0's answer is the group's
 import asyncio
 import os
 import socket
+from dataclasses import dataclass
 
 import ray
 import torch
@@ -36,6 +37,22 @@ def check_divisible(path: str, n: int, trust_remote_code: bool = False) -> None:
                          f"key/value heads ({kv}); choose a divisor")
 
 
+@dataclass
+class CacheSnapshot:
+    """A rank's KV cache occupancy, shaped like the KVStore the server metrics read."""
+
+    nbytes: int = 0
+    sequences: int = 0
+    evictions: int = 0
+
+    @classmethod
+    def of(cls, store) -> "CacheSnapshot":
+        return cls(store.nbytes, len(store), store.evictions)
+
+    def __len__(self) -> int:
+        return self.sequences
+
+
 class RankWorker:
     """One rank: a shard of the target in a ModelRunner. Runs calls one at a time, in order."""
 
@@ -53,15 +70,14 @@ class RankWorker:
         self.runner = ModelRunner(model.eval(), tokenizer, max_cache_bytes=cfg.max_cache_bytes)
         self.rank = rank
 
-    def verify(self, items: list[VerifyItem]) -> list[Verdict]:
-        return verify(self.runner, items)
+    def verify(self, items: list[VerifyItem]) -> tuple[list[Verdict], CacheSnapshot]:
+        return verify(self.runner, items), CacheSnapshot.of(self.runner.cache)
 
     def release(self, seq_id: str) -> None:
         self.runner.release(seq_id)
 
-    def stats(self) -> dict:
-        c = self.runner.cache
-        return {"kv_cache_bytes": c.nbytes, "sequences": len(c), "evictions": c.evictions}
+    def stats(self) -> "CacheSnapshot":
+        return CacheSnapshot.of(self.runner.cache)
 
     def ping(self) -> int:
         return self.rank
@@ -97,6 +113,7 @@ class RankGroup:
         ]
         self.timeout_s = timeout_s
         self.failed: str | None = None
+        self.cache = CacheSnapshot()  # rank 0's, as of its last answer
         ray.get([r.ping.remote() for r in self.ranks], timeout=600)  # all loaded (or raise now)
 
     async def _all(self, method: str, *args):
@@ -112,13 +129,15 @@ class RankGroup:
         return results[0]
 
     async def verify(self, items: list[VerifyItem]) -> list[Verdict]:
-        return await self._all("verify", items)
+        verdicts, self.cache = await self._all("verify", items)
+        return verdicts
 
     async def release(self, seq_id: str) -> None:
         await self._all("release", seq_id)
 
-    async def stats(self) -> dict:
-        return await self._all("stats")
+    async def stats(self) -> CacheSnapshot:
+        self.cache = await self._all("stats")
+        return self.cache
 
     async def check_health(self) -> None:
         """Healthy only while every rank answers a ping."""
