@@ -21,7 +21,7 @@ def load_model(
     kwargs = dict(trust_remote_code=trust_remote_code, local_files_only=offline)
     tokenizer = AutoTokenizer.from_pretrained(name_or_path, **kwargs)
     model = AutoModelForCausalLM.from_pretrained(name_or_path, dtype=DTYPES[dtype], **kwargs)
-    return model.to(device).eval(), tokenizer
+    return model.to(device).eval().requires_grad_(False), tokenizer
 
 
 @dataclass
@@ -59,6 +59,7 @@ class ModelRunner:
         batch.close([len(s.token_ids) for s in seqs])
         return logits
 
+    @torch.inference_mode()
     def open(self, seqs: list[SeqInput]) -> "Batch":
         """Start a batch: prefill what each sequence lacks; extend() decodes further, close() stores KV."""
         return Batch(self, seqs)
@@ -73,6 +74,7 @@ class Batch:
 
     Layout of row i in the KV axis: [left pad | reused prefix | new tokens | right pad | extended...];
     pads are masked out and positions are explicit, so every row sees exactly its own sequence.
+    When no row needs padding (always at batch 1) the mask is dropped: the model's causal fast path.
     """
 
     def __init__(self, runner: ModelRunner, seqs: list[SeqInput]):
@@ -98,6 +100,7 @@ class Batch:
             mask[i, past - r : past + len(n)] = 1
         positions = torch.tensor(reuse).unsqueeze(1) + torch.arange(width)  # [B, W]
         cache = DynamicCache(ddp_cache_data=self._gather(entries, reuse, past)) if past else DynamicCache()
+        self.aligned = bool(mask.all())
         self.cache, self.mask = cache, mask.to(device)
         self.lengths = [r + len(n) for r, n in zip(reuse, new)]
         self.recomputed = sum(len(n) for n in new)
@@ -122,7 +125,7 @@ class Batch:
 
     def _run(self, input_ids, positions, cache_position) -> torch.Tensor:
         out = self.runner.model(
-            input_ids=input_ids, attention_mask=self.mask, position_ids=positions,
+            input_ids=input_ids, attention_mask=None if self.aligned else self.mask, position_ids=positions,
             past_key_values=self.cache, cache_position=cache_position, use_cache=True,
         )
         return out.logits
@@ -141,6 +144,7 @@ class Batch:
         out = self._run(ids, positions, torch.tensor([width], device=device))
         return out[:, -1, : self.runner.vocab_size].float()
 
+    @torch.inference_mode()
     def close(self, keep: list[int]) -> None:
         """Store each row's first keep[i] positions as its cache (later positions are rolled back)."""
         layers = [(layer.keys, layer.values) for layer in self.cache.layers]
@@ -149,6 +153,11 @@ class Batch:
             if n <= 0:
                 self.runner.cache.drop(seq_id)
                 continue
-            idx = self.mask[i].nonzero().squeeze(-1)[:n]
-            kv = [(k[i].index_select(1, idx), v[i].index_select(1, idx)) for k, v in layers]
+            if self.aligned:  # no pads: the row's first n positions (a view when the batch is this row alone)
+                own = len(self.seq_ids) == 1
+                kv = [(k[i, :, :n] if own else k[i, :, :n].clone(), v[i, :, :n] if own else v[i, :, :n].clone())
+                      for k, v in layers]
+            else:
+                idx = self.mask[i].nonzero().squeeze(-1)[:n]
+                kv = [(k[i].index_select(1, idx), v[i].index_select(1, idx)) for k, v in layers]
             self.runner.cache.put(seq_id, SequenceCache(ids[:n], kv))

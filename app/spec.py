@@ -78,6 +78,9 @@ def _truncate_top_n(probs: torch.Tensor, top_n: int) -> tuple[torch.Tensor, torc
 
 def _draft_step(logits: torch.Tensor, items: list[ProposeItem], positions: torch.Tensor, top_n: int):
     """Sample one draft token per row. logits [B, V]; positions [B] absolute -> tokens, q_ids, q_probs."""
+    if all(it.sampling.greedy for it in items):  # q is one-hot at the argmax: nothing to sample
+        tokens = logits.argmax(-1)
+        return tokens, tokens.unsqueeze(-1), torch.ones(len(items), 1)
     temperature, top_k, top_p = _sampling_tensors([it.sampling for it in items])
     q_ids, q_probs = _truncate_top_n(process_logits(logits, temperature, top_k, top_p), top_n)
     seeds = torch.tensor([it.seed for it in items])
@@ -117,6 +120,10 @@ def verify(runner: ModelRunner, items: list[VerifyItem]) -> list[Verdict]:
     kmax = max(ks)
     seqs = [SeqInput(it.seq_id, it.token_ids + it.proposal.tokens, k + 1) for it, k in zip(items, ks)]
     batch = runner.open(seqs)
+    if all(it.sampling.greedy for it in items):
+        verdicts = _greedy_verdicts(batch.logits, items)
+        batch.close([len(it.token_ids) + vd.accepted for it, vd in zip(items, verdicts)])
+        return verdicts
     b, v = len(items), runner.vocab_size
     padded = torch.zeros(b, kmax + 1, v)
     for i, lg in enumerate(batch.logits):
@@ -144,3 +151,15 @@ def verify(runner: ModelRunner, items: list[VerifyItem]) -> list[Verdict]:
         Verdict(tokens[i, : int(accepted[i]) + 1].tolist(), int(accepted[i]), ks[i], {"batch_size": b})
         for i in range(b)
     ]
+
+
+def _greedy_verdicts(logits: list[torch.Tensor], items: list[VerifyItem]) -> list[Verdict]:
+    """Greedy acceptance: keep draft tokens while they equal the target's argmax, then its argmax."""
+    out = []
+    for lg, it in zip(logits, items):  # lg: [K+1, V]
+        best = lg.argmax(-1).tolist()
+        a = 0
+        while a < len(it.proposal.tokens) and it.proposal.tokens[a] == best[a]:
+            a += 1
+        out.append(Verdict(it.proposal.tokens[:a] + [best[a]], a, len(it.proposal.tokens), {"batch_size": len(items)}))
+    return out
