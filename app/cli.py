@@ -88,7 +88,7 @@ def parser() -> argparse.ArgumentParser:
     g.add_argument("--target", help="target model: hub id or local directory (default: the demo target)")
     g.add_argument("--draft", help="draft model: hub id or local directory (default: the demo draft)")
     g.add_argument("--no-draft", action="store_true", help="plain target decoding")
-    g.add_argument("--dtype", default="float32", help="float32, bfloat16, float16 or auto")
+    g.add_argument("--dtype", default="bfloat16", help="target dtype: bfloat16 (fast on CPU and GPU), float32, ...")
     g.add_argument("--max-tokens", type=int, default=64)
     g.add_argument("--temperature", type=float, default=0.0)
     g.add_argument("--seed", type=int)
@@ -104,6 +104,12 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("--port", type=int, default=8000)
     s.add_argument("--quick", action="store_true", help="use the small, quickly built demo pair")
     s.set_defaults(func=cmd_serve)
+
+    from app.bench import add_bench_arguments, bench_cli
+
+    b = sub.add_parser("bench", help="benchmark speculative vs target-only decoding (in process, or --url)")
+    add_bench_arguments(b)
+    b.set_defaults(func=bench_cli)
 
     d = sub.add_parser("demo-models", help="build (or find in the cache) the demo draft/target pair")
     d.add_argument("--quick", action="store_true", help="a small pair that builds in about a minute")
