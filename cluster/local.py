@@ -35,16 +35,23 @@ class LocalCluster:
     def start(self) -> "LocalCluster":
         # token auth would need the same token on every node; locally all nodes are this machine
         os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+        # Ray rewrites 127.0.0.1 to the machine's outward address unless it believes it is a
+        # single-machine cluster: keep every address (GCS, raylets, workers) on loopback
+        os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
         import ray
+        from ray._private import ray_constants
         from ray.cluster_utils import Cluster
 
-        common = {"num_cpus": self.cpus, "include_dashboard": False}
+        ray_constants.ENABLE_RAY_CLUSTER = False  # the same, for this already-imported process
+
+        # every node on loopback: nothing of the cluster is reachable from outside this machine
+        common = {"num_cpus": self.cpus, "include_dashboard": False, "node_ip_address": "127.0.0.1"}
         head = {**common, "resources": {TARGET_POOL: self.slots}}
         if self.system_config:
             head["_system_config"] = self.system_config  # the head's system config applies cluster-wide
         self.cluster = Cluster(initialize_head=True, connect=False, head_node_args=head)
         for _ in range(self.draft_nodes):
-            self.cluster.add_node(num_cpus=self.cpus, resources={DRAFT_POOL: self.slots})
+            self.cluster.add_node(num_cpus=self.cpus, resources={DRAFT_POOL: self.slots}, node_ip_address="127.0.0.1")
         self.cluster.wait_for_nodes()
         ray.init(address=self.cluster.address, namespace="specserve", log_to_driver=False)
         return self
@@ -109,3 +116,22 @@ def deploy(config: dict, timeout_s: float = 600) -> None:
             raise RuntimeError(f"application {name} failed: {app.message}")
         time.sleep(0.5)
     raise TimeoutError(f"application {name} not running after {timeout_s}s")
+
+
+def main() -> None:
+    """`python -m cluster.local`: start the two-pool cluster and keep it up until Ctrl-C."""
+    import signal
+    import threading
+
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    with LocalCluster() as cluster:
+        print(f"local cluster up (head = {TARGET_POOL}, worker = {DRAFT_POOL}); in another shell:\n"
+              f"  RAY_AUTH_MODE=disabled RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 .venv/bin/serve run --address {cluster.address} {CONFIG}\n"
+              "Ctrl-C stops the cluster.", flush=True)
+        stop.wait()
+
+
+if __name__ == "__main__":
+    main()
