@@ -108,11 +108,3 @@ def test_heldout_prompts_are_unseen():
     assert not {f.stem for f in files if f.parent == corpus.stdlib_dir()} & set(corpus.HELDOUT_MODULES)
     training = "\n".join(corpus.training_texts())
     assert not [p["id"] for p in prompts if p["prompt"] in training]
-
-
-@pytest.mark.slow
-def test_full_pair_speculates_well(tmp_path):
-    target_dir, draft_dir = demo_pair(cache_dir=str(tmp_path), progress=False)
-    m = measure_pair(target_dir, draft_dir, k=4)
-    assert m["tau"] >= 2.8 and m["c"] <= 0.15
-    assert m["target_params"] >= 10 * m["draft_params"]
