@@ -33,14 +33,14 @@ def resolve_models(cfg: AppConfig) -> tuple[str, str | None]:
 def tensor_parallel_options(cfg: AppConfig) -> dict:
     """Placement group of a tensor-parallel TargetServer replica: N bundles on one node (STRICT_PACK).
 
-    Bundle 0 also holds the replica itself (its ray_actor_options must fit: by default 0.25 CPU and
+    Bundle 0 also holds the replica itself (its ray_actor_options must fit: `replica_cpus` CPUs and
     one unit of the target pool's resource); bundle i holds rank worker i.
     """
     n = cfg.target.tensor_parallel_size
     if n == 1:
         return {}
     rank = dict(cfg.target.rank_resources)
-    first = {**rank, "CPU": rank.get("CPU", 0) + 0.25}
+    first = {**rank, "CPU": rank.get("CPU", 0) + cfg.target.replica_cpus}
     if cfg.target.pool_resource:
         first[cfg.target.pool_resource] = 1
     return {"placement_group_bundles": [first] + [rank] * (n - 1), "placement_group_strategy": "STRICT_PACK"}

@@ -25,6 +25,8 @@ class TargetConfig(ModelConfig):
     rank_resources: dict[str, float] = Field(
         default_factory=lambda: {"CPU": 0.25},
         description="Resources of each rank worker and its placement-group bundle ({GPU: 1, CPU: n} on GPU nodes).")
+    replica_cpus: float = Field(
+        0.25, ge=0, description="CPUs of the replica itself, in bundle 0 (>= TargetServer's ray_actor_options num_cpus).")
     pool_resource: str | None = Field(
         "target_pool", description="Custom resource of the target node pool, added to bundle 0 so the group lands there.")
 

@@ -317,6 +317,17 @@ def consistency_rules(rs: dict) -> None:
     check(target_gpus in (0, tp), f"target tensor_parallel_size {tp} != GPUs per target pod {target_gpus}")
     check(not deps["TargetServer"].get("ray_actor_options", {}).get("num_gpus"),
           "TargetServer's GPUs belong to its rank workers' placement group, not the replica actor")
+    if tp > 1:  # the placement group build_app reserves must fit the pod and hold the replica
+        from deployments.app import tensor_parallel_options
+        from deployments.config import AppConfig
+
+        bundles = tensor_parallel_options(AppConfig.model_validate(app["args"]))["placement_group_bundles"]
+        check(sum(b.get("GPU", 0) for b in bundles) == target_gpus,
+              f"rank bundles ask {sum(b.get('GPU', 0) for b in bundles)} GPUs; target pods have {target_gpus}")
+        replica_cpus = deps["TargetServer"].get("ray_actor_options", {}).get("num_cpus", 1)
+        rank_cpus = app["args"]["target"].get("rank_resources", {}).get("CPU", 0.25)
+        check(bundles[0].get("CPU", 0) >= replica_cpus + rank_cpus,
+              f"bundle 0 ({bundles[0]}) cannot hold the TargetServer replica ({replica_cpus} CPU) and rank 0")
     draft = by_name[next(g for g, s in by_name.items() if gen.DRAFT_POOL in offered(s))]
     draft_gpus = deps["DraftServer"].get("ray_actor_options", {}).get("num_gpus", 0)
     check(draft_gpus <= gpus(draft)[1], f"DraftServer asks {draft_gpus} GPUs; its pods have {gpus(draft)[1]}")
