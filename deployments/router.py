@@ -83,9 +83,9 @@ class Router:
         raise AssertionError("unreachable")
 
     def _verify_cost(self) -> float:
-        # roofline: a target batch of B sequences verifies B(K+1) tokens; past saturation each extra
-        # draft token costs about B / saturation of a step
-        return max(0.0, self.target_batch - 1) / self.cfg.speculation.verify_saturation_tokens * self.target_batch
+        # roofline: a target step costs the same until its batch holds `saturation` tokens, then grows
+        # linearly; one more draft token per sequence adds B tokens, i.e. B / saturation of a step
+        return self.target_batch / self.cfg.speculation.verify_saturation_tokens
 
     async def generate(self, request_id: str, prompt_ids: list[int], params: dict,
                        trace: dict | None = None) -> AsyncIterator[dict]:
