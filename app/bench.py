@@ -82,15 +82,15 @@ class Round:
     emitted: int
 
 
-@dataclass
-class PromptRun:
-    """One request's output and timings (seconds from its start)."""
+class Timed:
+    """TTFT, TPOT and ITLs of a request from `seconds`, `chunk_times` and `num_tokens` (in process or HTTP)."""
 
-    tokens: list[int]
     seconds: float
-    chunk_times: list[float]  # when each token-bearing chunk arrived
-    chunk_sizes: list[int]
-    rounds: list[Round] = field(default_factory=list)  # engine modes only
+    chunk_times: list[float]  # when each token-bearing chunk arrived, seconds from the request's start
+
+    @property
+    def num_tokens(self) -> int:
+        raise NotImplementedError
 
     @property
     def ttft(self) -> float:
@@ -98,12 +98,27 @@ class PromptRun:
 
     @property
     def tpot(self) -> float | None:
-        n = len(self.tokens)
+        n = self.num_tokens
         return (self.seconds - self.ttft) / (n - 1) if n > 1 else None
 
     @property
     def itls(self) -> list[float]:
         return list(np.diff(self.chunk_times))
+
+
+@dataclass
+class PromptRun(Timed):
+    """One request's output and timings (seconds from its start)."""
+
+    tokens: list[int]
+    seconds: float
+    chunk_times: list[float]
+    chunk_sizes: list[int]
+    rounds: list[Round] = field(default_factory=list)  # engine modes only
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.tokens)
 
 
 # --- running one request -------------------------------------------------------------------
@@ -251,16 +266,23 @@ def speculation_summary(runs: list[PromptRun], c: float) -> dict:
     }
 
 
+def latency_summary(runs: list[Timed]) -> dict:
+    """TTFT, TPOT and ITL percentiles (ms) over requests."""
+    return {
+        "ttft_ms": _pcts([r.ttft for r in runs]),
+        "tpot_ms": _pcts([r.tpot for r in runs if r.tpot is not None]),
+        "itl_ms": _pcts([x for r in runs for x in r.itls]),
+    }
+
+
 def summarize(mode: Mode, runs: list[PromptRun], costs: dict) -> dict:
     """One mode's row of the report (speed-up, efficiency and identity are filled in later)."""
-    tokens = sum(len(r.tokens) for r in runs)
+    tokens = sum(r.num_tokens for r in runs)
     row = {
         "output_tokens": tokens,
         "seconds": sum(r.seconds for r in runs),
         "output_tokens_per_s": tokens / sum(r.seconds for r in runs),
-        "ttft_ms": _pcts([r.ttft for r in runs]),
-        "tpot_ms": _pcts([r.tpot for r in runs if r.tpot is not None]),
-        "itl_ms": _pcts([x for r in runs for x in r.itls]),
+        **latency_summary(runs),
         "c_measured": costs["c"],
         "c_estimator": None,
     }
@@ -275,13 +297,17 @@ def summarize(mode: Mode, runs: list[PromptRun], costs: dict) -> dict:
 
 def mismatches(runs: list[PromptRun], reference: list[PromptRun], prompt_ids: list[str]) -> list[dict]:
     """Where each output first differs from the reference's, per prompt."""
+    return differences([r.tokens for r in runs], [r.tokens for r in reference], prompt_ids)
+
+
+def differences(outputs: list, reference: list, prompt_ids: list[str]) -> list[dict]:
+    """Where each output (token ids, or text) first differs from the reference's, per prompt."""
     found = []
-    for pid, run, ref in zip(prompt_ids, runs, reference):
-        if run.tokens != ref.tokens:
-            at = next((i for i, (a, b) in enumerate(zip(run.tokens, ref.tokens)) if a != b),
-                      min(len(run.tokens), len(ref.tokens)))
-            found.append({"prompt": pid, "position": at, "expected": ref.tokens[at:at + 4],
-                          "got": run.tokens[at:at + 4], "lengths": [len(run.tokens), len(ref.tokens)]})
+    for pid, out, ref in zip(prompt_ids, outputs, reference):
+        if out != ref:
+            at = next((i for i, (a, b) in enumerate(zip(out, ref)) if a != b), min(len(out), len(ref)))
+            found.append({"prompt": pid, "position": at, "expected": ref[at:at + 4], "got": out[at:at + 4],
+                          "lengths": [len(out), len(ref)]})
     return found
 
 
@@ -457,10 +483,14 @@ def add_bench_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--draft-dtype", default="float32", help="draft dtype")
     p.add_argument("--device", default="cpu", help="torch device of both models")
     p.add_argument("--threads", type=int, help="torch CPU threads (default: torch's; 1 is steadier on a busy machine)")
-    p.add_argument("--modes", default=",".join(MODES), help=f"comma-separated subset of: {', '.join(MODES)}")
+    p.add_argument("--modes", help=f"comma-separated subset of: {', '.join(MODES)} (default: all); with --url: "
+                   "target, spec-auto, spec-kN (default: target,spec-auto)")
     p.add_argument("--json", help="write the report as JSON here")
     p.add_argument("--plot", default="bench.png", help="write the two-panel plot here (PNG)")
-    p.add_argument("--url", help="benchmark a running server over HTTP (not yet available)")
+    p.add_argument("--url", help="benchmark the server running there over HTTP (e.g. http://127.0.0.1:8000): "
+                   "a concurrency sweep; the model options are then unused")
+    p.add_argument("--concurrency", default="1,4,16", help="with --url: concurrent streams per level")
+    p.add_argument("--request-timeout", type=float, default=300.0, help="with --url: seconds per request")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     return p
 
@@ -478,10 +508,8 @@ def _load(args) -> Engine:
 def bench_cli(args) -> int:
     """`specserve bench`: run the modes, print the table, write --json and --plot; 1 on a mismatch."""
     if args.url:
-        print("error: --url (benchmarking a server over HTTP) is not available yet; run without it to "
-              "benchmark in process", file=sys.stderr)
-        return 2
-    modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+        return bench_url_cli(args)
+    modes = [m.strip() for m in (args.modes or ",".join(MODES)).split(",") if m.strip()]
     unknown = [m for m in modes if m not in MODES]
     if unknown:
         print(f"error: unknown mode(s) {', '.join(unknown)}; choose from {', '.join(MODES)}", file=sys.stderr)
@@ -503,5 +531,33 @@ def bench_cli(args) -> int:
         Path(args.json).write_text(json.dumps(report, indent=2))
     if args.plot:
         plot(report, args.plot)
+        print(f"plot: {args.plot}")
+    return 0
+
+
+def bench_url_cli(args) -> int:
+    """`specserve bench --url`: the concurrency sweep against a running server; 1 on a mismatch or error."""
+    from app import bench_http
+
+    modes = [m.strip() for m in (args.modes or ",".join(bench_http.DEFAULT_MODES)).split(",") if m.strip()]
+    try:
+        levels = bench_http.parse_levels(args.concurrency)
+        for m in modes:
+            bench_http.speculation_of(m)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    prompts, names = load_prompts(args.prompts, args.num_prompts)
+    try:
+        report = asyncio.run(bench_http.run_sweep(args.url.rstrip("/"), prompts, names, modes, levels,
+                                                  args.max_tokens, not args.no_progress, args.request_timeout))
+    except (ExactnessError, *bench_http.FAILURES) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    print(bench_http.format_table(report))
+    if args.json:
+        Path(args.json).write_text(json.dumps(report, indent=2))
+    if args.plot:
+        bench_http.plot(report, args.plot)
         print(f"plot: {args.plot}")
     return 0
