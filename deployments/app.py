@@ -69,6 +69,6 @@ def build_app(args: dict) -> Application:
         Router, name="Router", max_ongoing_requests=256, ray_actor_options={"num_cpus": 0.1},
     ).bind(draft, target, cfg, target_path, max_context)
     ingress = serve.deployment(
-        Ingress, name="Ingress", max_ongoing_requests=256, ray_actor_options={"num_cpus": 0.1},
+        Ingress, name="Ingress", max_ongoing_requests=1024, ray_actor_options={"num_cpus": 0.1},
     ).bind(router, cfg, target_path, name, max_context)
     return ingress

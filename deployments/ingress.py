@@ -17,7 +17,8 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from opentelemetry.trace import SpanKind
 from pydantic import ValidationError
 from ray import serve
-from ray.serve.exceptions import BackPressureError
+from ray.exceptions import ActorUnavailableError, RayActorError
+from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from transformers import AutoTokenizer
 
@@ -235,6 +236,11 @@ class Ingress:
                            code="overloaded", headers={"Retry-After": "1"}) from None
         except StopAsyncIteration:
             raise APIError(503, "generation ended without a result", "service_unavailable") from None
+        except (RayActorError, ActorUnavailableError, DeploymentUnavailableError) as e:
+            # the router replica holding this request died: its state is gone, so say so (a stream
+            # then ends with an error event, not a silent cut) and let the client retry
+            raise APIError(503, f"the router serving this request failed ({type(e).__name__}): retry",
+                           "service_unavailable", code="router_unavailable", headers={"Retry-After": "1"}) from None
 
     async def _sse(self, rid: str, first: dict, stream, deadline: float, chat: bool, include_usage: bool, span=None):
         chunk = first

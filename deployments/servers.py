@@ -4,6 +4,7 @@ The classes carry no @serve.deployment: build_app applies it with options from t
 """
 
 import asyncio
+import collections
 import contextlib
 import time
 
@@ -39,6 +40,10 @@ class _Server:
         self.replica_id = _replica_id()
         self.runner = self._load(cfg, path)
         self.metrics = ServerMetrics()
+        self.served = 0  # propose/verify items answered: lets tests see that a refused request reached no model
+        # ids of ended requests (never reused): a batch still computing one (a cancelled request's last
+        # call, queued or in flight) would store its cache again after the release, so it drops it
+        self._released: collections.OrderedDict[str, None] = collections.OrderedDict()
         telemetry.configure_tracing(type(self).__name__)
         method.set_max_batch_size(batch.max_batch_size)
         method.set_batch_wait_timeout_s(batch.batch_wait_timeout_s)
@@ -51,19 +56,30 @@ class _Server:
         """The KV store (or a tensor-parallel group's snapshot of rank 0's) for stats and metrics."""
         return self.runner.cache
 
-    @contextlib.contextmanager
-    def _observed(self, name: str, items: list):
+    @contextlib.asynccontextmanager
+    async def _observed(self, name: str, items: list):
         """Spans (one per traced item) and metrics around a batch; yields the stats each answer carries."""
         stats = {"batch_size": len(items), "replica": self.replica_id}
         attrs = {"specserve.batch_size": len(items), "specserve.replica": self.replica_id}
         t0 = time.perf_counter()
-        with telemetry.batch_spans(name, [it.trace for it in items], attrs):
-            yield stats
+        try:
+            with telemetry.batch_spans(name, [it.trace for it in items], attrs):
+                yield stats
+        finally:
+            for seq_id in {it.seq_id for it in items} & self._released.keys():
+                await self._drop(seq_id)
         stats["forward_s"] = time.perf_counter() - t0
+        self.served += len(items)
         self.metrics.batch(len(items), self.cache)
 
     async def release(self, seq_id: str) -> None:
-        """Free a finished request's cache."""
+        """Free a finished or cancelled request's cache (and again after a batch still computing it)."""
+        self._released[seq_id] = None
+        if len(self._released) > 4096:
+            self._released.popitem(last=False)
+        await self._drop(seq_id)
+
+    async def _drop(self, seq_id: str) -> None:
         self.runner.release(seq_id)
         self.metrics.cache(self.cache)
 
@@ -71,7 +87,8 @@ class _Server:
         """KV cache occupancy of this replica."""
         cache = self.cache
         return {"replica": self.replica_id, "node_id": ray.get_runtime_context().get_node_id(),
-                "kv_cache_bytes": cache.nbytes, "sequences": len(cache), "evictions": cache.evictions}
+                "kv_cache_bytes": cache.nbytes, "sequences": len(cache), "evictions": cache.evictions,
+                "served": self.served}
 
     async def check_health(self) -> None:
         """Serve's health check: the runner must be usable."""
@@ -89,7 +106,7 @@ class DraftServer(_Server):
     @serve.batch(max_batch_size=16, batch_wait_timeout_s=0.002)
     async def propose(self, items: list[ProposeItem]) -> list[Proposal]:
         # the forward runs in a thread so the replica keeps queueing the next batch meanwhile
-        with self._observed("DraftServer.propose", items) as stats:
+        async with self._observed("DraftServer.propose", items) as stats:
             proposals = await asyncio.to_thread(propose, self.runner, items, self.top_n)
         for p in proposals:
             p.stats.update(stats)
@@ -113,12 +130,12 @@ class TargetServer(_Server):
     def cache(self):
         return self.ranks.cache if self.ranks else self.runner.cache
 
-    async def release(self, seq_id: str) -> None:
+    async def _drop(self, seq_id: str) -> None:
         if self.ranks:
             await self.ranks.release(seq_id)
             self.metrics.cache(self.cache)
         else:
-            await super().release(seq_id)
+            await super()._drop(seq_id)
 
     async def stats(self) -> dict:
         if self.ranks:
@@ -138,7 +155,7 @@ class TargetServer(_Server):
 
     @serve.batch(max_batch_size=32, batch_wait_timeout_s=0.002)
     async def verify(self, items: list[VerifyItem]) -> list[Verdict]:
-        with self._observed("TargetServer.verify", items) as stats:
+        async with self._observed("TargetServer.verify", items) as stats:
             if self.ranks:
                 verdicts = await self.ranks.verify(items)
             else:

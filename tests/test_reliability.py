@@ -1,0 +1,413 @@
+"""Faults, overload, cancellation, deadlines and KV memory on a live local cluster, each with figures.
+
+One cluster for the module; two deployments of the app on it, one after the other:
+- "faults": two Router and two TargetServer replicas, one DraftServer (kill one of each mid-load);
+- "limits": one replica each, a tiny Router queue and small KV budgets (overload, disconnect, soak,
+  a lone target's restart).
+Every request has a timeout and every loop a bound; all traffic stays on loopback.
+"""
+
+import asyncio
+import collections
+import json
+import threading
+import time
+from dataclasses import dataclass, field
+from types import SimpleNamespace
+
+import httpx
+import pytest
+
+from app.engine import Engine
+from app.params import SamplingParams
+from serving import free_port, save_tiny_pair
+
+PROMPTS = [f"def g{i}(y):\n    return y" + " * 2" * (i % 4) for i in range(8)]
+N = 48  # tokens per load-run request
+SOAK_N = 200  # tokens per soak request: prompt + 200 > what the KV budget holds for two sequences
+KV_BUDGET = 150_000  # bytes; a 210-token sequence of the tiny pair holds ~107 KB of KV
+ROUTER_CAPACITY = {"max_ongoing_requests": 2, "max_queued_requests": 2}
+
+
+# -- set-up --------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    return save_tiny_pair(tmp_path_factory.mktemp("pair"))
+
+
+@pytest.fixture(scope="module")
+def reference(pair):
+    """Target-only greedy text per (prompt, max_tokens), computed in-process."""
+    engine = Engine.from_pretrained(pair[0])
+    out = {}
+    for n in (N, SOAK_N):
+        params = SamplingParams(temperature=0, max_tokens=n, ignore_eos=True, speculation={"enabled": False})
+        out.update({(p, n): r.text for p, r in zip(PROMPTS, engine.generate(PROMPTS, params))})
+    return out
+
+
+def app_config(pair, port: int, name: str) -> dict:
+    from cluster.local import load_config
+
+    args = {"target": {"model": pair[0], "dtype": "float32"}, "draft": {"model": pair[1]},
+            "speculation": {"draft_timeout_s": 5.0, "draft_retry_after_s": 1.0}}
+    replicas = {"faults": {"DraftServer": 1, "TargetServer": 2, "Router": 2},
+                "limits": {"DraftServer": 1, "TargetServer": 1, "Router": 1}}[name]
+    deployments = {"Router": ROUTER_CAPACITY} if name == "limits" else {}
+    if name == "limits":
+        args["target"]["max_cache_bytes"] = args["draft"]["max_cache_bytes"] = KV_BUDGET
+    config = load_config(args=args, deployments=deployments, port=port)
+    for d in config["applications"][0]["deployments"]:
+        d.pop("autoscaling_config", None)
+        d["num_replicas"] = replicas.get(d["name"], 1)
+    return config
+
+
+@pytest.fixture(scope="module")
+def deployed(pair):
+    """deployed(name) -> base URL, with that deployment of the app running on the module's cluster."""
+    from cluster.local import LocalCluster, deploy
+
+    port, current = free_port(), {}
+
+    def use(name: str) -> str:
+        if current.get("name") != name:
+            deploy(app_config(pair, port, name), timeout_s=300)
+            current["name"] = name
+        return f"http://127.0.0.1:{port}"
+
+    with LocalCluster():
+        yield use
+
+
+def replicas(deployment: str) -> list[str]:
+    import ray
+
+    return sorted(a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
+                  if a["namespace"] == "serve" and f"#{deployment}#" in a["name"])
+
+
+def kill_replica(deployment: str) -> str:
+    """Kill one replica's process; Serve starts a replacement."""
+    import ray
+
+    name = replicas(deployment)[0]
+    ray.kill(ray.get_actor(name, namespace="serve"), no_restart=True)
+    return name
+
+
+def running(deployment: str) -> int:
+    from ray import serve
+
+    status = serve.status().applications["specserve"].deployments[deployment]
+    return status.replica_states.get("RUNNING", 0) if status.status == "HEALTHY" else 0
+
+
+def wait_until(check, timeout_s: float, every_s: float = 0.25):
+    """Poll `check` until it returns something truthy (returned) or the time is up (None)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if value := check():
+            return value
+        time.sleep(every_s)
+    return None
+
+
+def server_stats(deployment: str) -> dict:
+    from ray import serve
+
+    return serve.get_deployment_handle(deployment, "specserve").stats.remote().result(timeout_s=30)
+
+
+# -- the client ----------------------------------------------------------------------------------
+@dataclass
+class Outcome:
+    """One streamed request as the client saw it."""
+
+    prompt: str
+    status: int = 0
+    text: str = ""
+    finished: bool = False  # a finish_reason arrived
+    error: dict | None = None  # an error body or SSE error event: a clear failure
+    cut: str | None = None  # the stream broke off with neither a finish nor an error: a silent cut
+    speculation: dict = field(default_factory=dict)
+    headers: dict = field(default_factory=dict)
+    seconds: float = 0.0
+
+
+async def stream(client: httpx.AsyncClient, url: str, prompt: str, max_tokens: int = N, spec: dict | None = None,
+                 started: asyncio.Event | None = None, stop_after: int | None = None) -> Outcome:
+    """POST a streamed greedy completion and read it to the end (or `stop_after` text chunks)."""
+    body = {"model": "target", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
+            "stream": True, "stream_options": {"include_usage": True}, "speculation": spec or {"num_tokens": 3}}
+    out, t0, chunks = Outcome(prompt), time.monotonic(), 0
+    try:
+        async with client.stream("POST", f"{url}/v1/completions", json=body) as r:
+            out.status, out.headers = r.status_code, dict(r.headers)
+            if r.status_code != 200:
+                out.error = json.loads(await r.aread()).get("error")
+                return out
+            async for line in r.aiter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                event = json.loads(line[6:])
+                if "error" in event:
+                    out.error = event["error"]
+                    continue
+                for choice in event["choices"]:
+                    out.text += choice["text"]
+                    out.finished |= choice["finish_reason"] is not None
+                out.speculation = event.get("speculation") or out.speculation
+                chunks += 1
+                if started is not None:
+                    started.set()
+                if stop_after is not None and chunks >= stop_after:
+                    return out  # leaving the block closes the connection mid-stream
+        if not (out.finished or out.error):
+            out.cut = "stream ended without a finish or an error"
+    except httpx.HTTPError as e:
+        out.cut = f"{type(e).__name__}: {e}"
+    finally:
+        out.seconds = time.monotonic() - t0
+    return out
+
+
+async def load_run(url: str, prompts: list[str], during=None, max_tokens: int = N, spec: dict | None = None,
+                   timeout_s: float = 120) -> list[Outcome]:
+    """All prompts at once, streamed; `during()` runs in a thread once the first tokens arrived."""
+    started = asyncio.Event()
+    async with httpx.AsyncClient(timeout=60, limits=httpx.Limits(max_connections=64)) as client:
+        tasks = [asyncio.create_task(stream(client, url, p, max_tokens, spec, started)) for p in prompts]
+        if during is not None:
+            await asyncio.wait_for(started.wait(), 60)
+            await asyncio.to_thread(during)
+        return await asyncio.wait_for(asyncio.gather(*tasks), timeout_s)
+
+
+def tally(outcomes: list[Outcome], reference: dict, max_tokens: int = N) -> dict:
+    """sent / completed / failed with a clear error / silently cut / differing from the reference."""
+    def differs(o: Outcome) -> bool:
+        ref = reference[(o.prompt, max_tokens)]
+        return not ref.startswith(o.text) or (o.finished and not o.error and o.text != ref)
+    return {"sent": len(outcomes), "completed": sum(o.finished and not o.error for o in outcomes),
+            "failed_clear": sum(o.error is not None for o in outcomes),
+            "silent_cuts": sum(o.cut is not None and o.error is None for o in outcomes),
+            # a completed request must be the target's greedy text, and a failed one a prefix of it:
+            # nothing streamed is lost or repeated
+            "differing": sum(map(differs, outcomes))}
+
+
+def report(name: str, figures: dict, recovery_s: float | None, outcomes: list[Outcome] = ()) -> None:
+    rec = f"{recovery_s:.1f}s" if recovery_s is not None else "not recovered"
+    errors = collections.Counter(f"{o.status}/{o.error['code']}: {o.error['message'][:60]}" for o in outcomes if o.error)
+    print(f"\n[{name}] " + " ".join(f"{k}={v}" for k, v in figures.items()) + f" recovery={rec} errors={dict(errors)}")
+
+
+def one(url: str, prompt: str, max_tokens: int = N, spec: dict | None = None) -> Outcome:
+    async def go():
+        async with httpx.AsyncClient(timeout=60) as client:
+            return await stream(client, url, prompt, max_tokens, spec)
+    return asyncio.run(go())
+
+
+# -- faults --------------------------------------------------------------------------------------
+@pytest.mark.slow
+def test_draft_killed_mid_load_fails_open_then_speculates_again(deployed, reference):
+    url = deployed("faults")
+    killed = {}
+    outcomes = asyncio.run(load_run(url, PROMPTS, during=lambda: killed.update(t=time.monotonic(),
+                                                                            name=kill_replica("DraftServer"))))
+    # recovered: a fresh request drafts again (the replacement is up and the back-off is over)
+    def speculating():
+        o = one(url, PROMPTS[0], max_tokens=8)
+        return o.finished and o.speculation.get("drafted_tokens", 0) > 0
+    recovered = wait_until(speculating, 90, every_s=0.5)
+    recovery = time.monotonic() - killed["t"] if recovered else None
+    figures = tally(outcomes, reference)
+    report("draft killed", figures, recovery)
+    assert figures["completed"] == figures["sent"] and figures["differing"] == 0
+    assert recovered, "speculation did not resume within 90 s of the draft replica's death"
+
+
+@pytest.mark.slow
+def test_target_killed_with_two_replicas_loses_nothing(deployed, reference):
+    url = deployed("faults")
+    wait_until(lambda: running("TargetServer") == 2, 120)
+    killed = {}
+    outcomes = asyncio.run(load_run(url, PROMPTS * 2, during=lambda: killed.update(t=time.monotonic(),
+                                                                                name=kill_replica("TargetServer"))))
+    restored = wait_until(lambda: running("TargetServer") == 2 and killed["name"] not in replicas("TargetServer"), 120)
+    recovery = time.monotonic() - killed["t"] if restored else None
+    figures = tally(outcomes, reference)
+    report("target killed (2 replicas)", figures, recovery)
+    assert figures["completed"] == figures["sent"] and figures["differing"] == 0
+    assert restored, "no replacement target replica within 120 s"
+
+
+@pytest.mark.slow
+def test_router_killed_ends_its_streams_with_an_error(deployed, reference):
+    url = deployed("faults")
+    wait_until(lambda: running("Router") == 2, 120)
+    killed = {}
+    outcomes = asyncio.run(load_run(url, PROMPTS * 2, max_tokens=SOAK_N,
+                                    during=lambda: killed.update(t=time.monotonic(), name=kill_replica("Router"))))
+    # new requests succeed again (retrying 503s, bounded)
+    recovered = wait_until(lambda: one(url, PROMPTS[0]).finished, 90, every_s=0.5)
+    recovery = time.monotonic() - killed["t"] if recovered else None
+    figures = tally(outcomes, reference, SOAK_N)
+    report("router killed (2 replicas)", figures, recovery, outcomes)
+    assert figures["silent_cuts"] == 0, [o.cut for o in outcomes if o.cut]
+    assert figures["completed"] + figures["failed_clear"] == figures["sent"] and figures["differing"] == 0
+    for o in outcomes:
+        if o.error:
+            assert set(o.error) == {"message", "type", "param", "code"} and o.error["type"] == "service_unavailable"
+    assert recovered, "no request succeeded within 90 s of the router's death"
+
+
+# -- limits --------------------------------------------------------------------------------------
+@pytest.mark.slow
+def test_client_disconnect_frees_caches_on_draft_and_target(deployed):
+    url = deployed("limits")
+    idle = wait_until(lambda: server_stats("TargetServer")["sequences"] == 0 and
+                      server_stats("DraftServer")["sequences"] == 0, 30)
+    assert idle, f"caches of earlier requests still held: {server_stats('TargetServer')} {server_stats('DraftServer')}"
+    prompt = "def long(x):\n"
+
+    async def leave_early():
+        async with httpx.AsyncClient(timeout=60) as client:
+            return await stream(client, url, prompt, max_tokens=480, stop_after=3)
+    out = asyncio.run(leave_early())
+    t0 = time.monotonic()
+    freed = wait_until(lambda: server_stats("TargetServer")["sequences"] == 0 and
+                       server_stats("DraftServer")["sequences"] == 0, 15, every_s=0.05)
+    freed_s = time.monotonic() - t0
+    full = one(url, prompt, max_tokens=480, spec={"num_tokens": 3})
+    print(f"\n[disconnect] read {len(out.text)} chars then closed; caches freed after {freed_s:.2f}s "
+          f"(the whole 480-token generation takes {full.seconds:.2f}s)")
+    assert out.status == 200 and not out.finished
+    assert freed, "KV caches of a disconnected request still held after 15 s"
+
+
+@pytest.mark.slow
+def test_lone_target_killed_requests_resume_or_fail_clearly(deployed, reference):
+    url = deployed("limits")
+    killed = {}
+    outcomes = asyncio.run(load_run(url, PROMPTS[:2], during=lambda: killed.update(t=time.monotonic(),
+                                                                                name=kill_replica("TargetServer"))))
+    recovered = wait_until(lambda: one(url, PROMPTS[0]).finished, 90, every_s=0.5)
+    recovery = time.monotonic() - killed["t"] if recovered else None
+    figures = tally(outcomes, reference)
+    report("target killed (1 replica)", figures, recovery, outcomes)
+    print("  caches after:", {name: server_stats(name)["sequences"] for name in ("DraftServer", "TargetServer")})
+    assert figures["silent_cuts"] == 0 and figures["differing"] == 0
+    assert figures["completed"] + figures["failed_clear"] == figures["sent"]
+    assert all(o.error["code"] in (503, "503") for o in outcomes if o.error and o.status == 200)
+    assert recovered, "no request succeeded within 90 s of the lone target's death"
+
+
+@pytest.mark.slow
+def test_overload_is_refused_at_once_with_retry_after(deployed, reference):
+    url = deployed("limits")
+    capacity = sum(ROUTER_CAPACITY.values())
+    load = 6 * capacity
+    t0 = time.monotonic()
+    outcomes = asyncio.run(load_run(url, (PROMPTS * 3)[:load]))
+    wall = time.monotonic() - t0
+    refused = [o for o in outcomes if o.status in (429, 503)]
+    accepted = [o for o in outcomes if o.status == 200]
+    figures = tally(accepted, reference)
+    slowest_refusal = max((o.seconds for o in refused), default=0.0)
+    print(f"\n[overload] capacity={capacity} sent={load} accepted={len(accepted)} refused={len(refused)} "
+          f"completed={figures['completed']} differing={figures['differing']} "
+          f"slowest_refusal={slowest_refusal:.2f}s wall={wall:.1f}s")
+    assert refused and len(accepted) + len(refused) == load
+    assert figures["completed"] == len(accepted) and figures["differing"] == 0
+    for o in refused:
+        assert "retry-after" in o.headers and set(o.error) == {"message", "type", "param", "code"}
+    assert slowest_refusal < wall / 2  # refused at once, not after queueing behind the accepted ones
+
+
+@pytest.mark.slow
+def test_kv_cache_stays_within_budget_in_a_soak(deployed, reference):
+    url = deployed("limits")
+    peak = {"TargetServer": 0, "DraftServer": 0}
+    evictions = {}
+    stop = threading.Event()
+
+    def sample():
+        while not stop.is_set():
+            for name in peak:
+                s = server_stats(name)
+                peak[name] = max(peak[name], s["kv_cache_bytes"])
+                evictions[name] = s["evictions"]
+            time.sleep(0.05)
+    sampler = threading.Thread(target=sample, daemon=True)
+    sampler.start()
+    outcomes = []
+    t0 = time.monotonic()
+    try:
+        for i in range(0, 12, 2):  # 12 long sequences, two at a time (the router's capacity)
+            outcomes += asyncio.run(load_run(url, [PROMPTS[i % 8], PROMPTS[(i + 1) % 8]], max_tokens=SOAK_N))
+    finally:
+        stop.set()
+        sampler.join(timeout=10)
+    figures = tally(outcomes, reference, SOAK_N)
+    print(f"\n[kv soak] budget={KV_BUDGET} peak_target={peak['TargetServer']} peak_draft={peak['DraftServer']} "
+          f"evictions={evictions} sent={figures['sent']} completed={figures['completed']} "
+          f"differing={figures['differing']} wall={time.monotonic() - t0:.1f}s")
+    assert figures["completed"] == figures["sent"] and figures["differing"] == 0
+    assert 0 < peak["TargetServer"] <= KV_BUDGET and 0 < peak["DraftServer"] <= KV_BUDGET
+
+
+# -- deadlines (no cluster) ----------------------------------------------------------------------
+def test_a_request_past_its_deadline_gets_408_and_cancels_its_generation():
+    from deployments.ingress import APIError, Ingress
+
+    class Stuck:
+        cancelled = False
+
+        async def __anext__(self):
+            await asyncio.sleep(60)
+
+        def cancel(self):
+            self.cancelled = True
+
+    ingress = SimpleNamespace(cfg=SimpleNamespace(limits=SimpleNamespace(request_timeout_s=0.05)))
+    stuck = Stuck()
+
+    async def go():
+        deadline = asyncio.get_running_loop().time() + 0.05
+        with pytest.raises(APIError) as e:
+            await Ingress._next(ingress, stuck, deadline)
+        return e.value
+    err = asyncio.run(go())
+    assert err.status == 408 and err.type == "timeout_error" and stuck.cancelled  # cancel frees the caches
+
+
+def test_a_release_during_the_batch_computing_the_sequence_still_frees_it(target_runner):
+    from collections import OrderedDict
+
+    from app.runner import SeqInput
+    from deployments.servers import DraftServer
+
+    server = object.__new__(DraftServer)  # no Serve: only the release bookkeeping is under test
+    server.runner, server.replica_id, server.served, server._released = target_runner, "test", 0, OrderedDict()
+    server.metrics = SimpleNamespace(batch=lambda *a: None, cache=lambda *a: None)
+
+    async def cancelled_mid_batch():
+        async with server._observed("propose", [SimpleNamespace(seq_id="a", trace=None)]):
+            await server.release("a")  # the request ends while its last call computes...
+            target_runner.forward([SeqInput("a", [2, 3, 4], 1)])  # ...which then stores the cache
+            assert "a" in target_runner.cache
+    asyncio.run(cancelled_mid_batch())
+    assert "a" not in target_runner.cache and target_runner.cache.nbytes == 0
+
+
+def test_the_routers_bounded_queue_fills_before_the_ingress():
+    """So overload is answered by the ingress (503, Retry-After, OpenAI's body), not by the proxy's plain text."""
+    from cluster.local import load_config
+
+    opts = {d["name"]: d for d in load_config()["applications"][0]["deployments"]}
+    router, ingress = opts["Router"], opts["Ingress"]
+    assert router["max_queued_requests"] > 0
+    assert ingress["max_ongoing_requests"] > router["max_ongoing_requests"] + router["max_queued_requests"]
