@@ -42,7 +42,7 @@ class SpeculationConfig(BaseModel):
     draft_timeout_s: float = Field(2.0, gt=0, description="A propose slower than this falls back to a target step.")
     draft_retry_after_s: float = Field(5.0, gt=0, description="After a draft failure, plain target steps this long.")
     verify_saturation_tokens: int = Field(
-        256, gt=0, description="Tokens per target batch beyond which verifying more costs time (load-aware K).")
+        64, gt=0, description="Tokens per target batch beyond which verifying more costs time (load-aware K).")
 
 
 class BatchConfig(BaseModel):
@@ -51,7 +51,9 @@ class BatchConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     max_batch_size: int = Field(16, ge=1, description="Most calls fused into one forward.")
-    batch_wait_timeout_s: float = Field(0.002, ge=0, description="How long a batch waits to fill.")
+    batch_wait_timeout_s: float = Field(
+        0.0, ge=0, description="How long a batch waits to fill; 0 = go at once (calls that arrive during a "
+        "forward still fuse into the next one).")
 
 
 class LimitsConfig(BaseModel):

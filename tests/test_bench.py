@@ -67,8 +67,6 @@ def test_a_mismatch_of_our_modes_fails_the_run(model_dirs, tmp_path, monkeypatch
 def test_bad_options_are_refused(model_dirs, tmp_path, capsys):
     assert bench.bench_cli(cli_args(model_dirs, tmp_path, "--modes", "target,k9")) == 2
     assert "k9" in capsys.readouterr().err
-    assert bench.bench_cli(cli_args(model_dirs, tmp_path, "--url", "http://localhost:8000")) == 2
-    assert "not available yet" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("text, expected", [
