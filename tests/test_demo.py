@@ -108,3 +108,22 @@ def test_heldout_prompts_are_unseen():
     assert not {f.stem for f in files if f.parent == corpus.stdlib_dir()} & set(corpus.HELDOUT_MODULES)
     training = "\n".join(corpus.training_texts())
     assert not [p["id"] for p in prompts if p["prompt"] in training]
+
+
+def test_greedy_sequences_are_the_targets_greedy_text(quick_pair):
+    """Sequence-level distillation trains the draft on exactly what greedy decoding produces."""
+    from app.demo.measure import greedy_continuation
+
+    target_dir, _, _ = quick_pair
+    # float32: batched and single-sequence decoding then agree to far below an argmax tie
+    target = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval()
+    plan = train.PLANS["quick"]
+    stream = torch.randint(2, plan.vocab_size, (500,), generator=torch.Generator().manual_seed(1))
+    ticks = []
+    seqs = train.greedy_sequences(target, stream, plan, torch.Generator().manual_seed(0),
+                                  lambda: ticks.append(1))
+    assert seqs.shape == (plan.kd_sequences, plan.kd_prompt_len + plan.kd_new_tokens)
+    assert len(ticks) == -(-plan.kd_sequences // train.GEN_BATCH)
+    prefix = seqs[:1, : plan.kd_prompt_len]
+    assert torch.equal(greedy_continuation(target, prefix, plan.kd_new_tokens),
+                       seqs[0, plan.kd_prompt_len :])
