@@ -479,7 +479,9 @@ def add_bench_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--target", help="target model: hub id or local directory (default: the demo target)")
     p.add_argument("--draft", help="draft model: hub id or local directory (default: the demo draft)")
     p.add_argument("--quick", action="store_true", help="use the small, quickly built demo pair")
-    p.add_argument("--dtype", default="bfloat16", help="target dtype: float32, bfloat16, float16 or auto")
+    p.add_argument("--dtype", default="float32",
+                   help="target dtype: float32 (default: greedy identity is exact), bfloat16 (faster; batched and "
+                        "stepwise forwards may break bf16 near-ties differently), float16 or auto")
     p.add_argument("--draft-dtype", default="float32", help="draft dtype")
     p.add_argument("--device", default="cpu", help="torch device of both models")
     p.add_argument("--threads", type=int, help="torch CPU threads (default: torch's; 1 is steadier on a busy machine)")

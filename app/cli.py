@@ -88,7 +88,7 @@ def parser() -> argparse.ArgumentParser:
     g.add_argument("--target", help="target model: hub id or local directory (default: the demo target)")
     g.add_argument("--draft", help="draft model: hub id or local directory (default: the demo draft)")
     g.add_argument("--no-draft", action="store_true", help="plain target decoding")
-    g.add_argument("--dtype", default="bfloat16", help="target dtype: bfloat16 (fast on CPU and GPU), float32, ...")
+    g.add_argument("--dtype", default="float32", help="target dtype: float32, bfloat16 (faster), float16 or auto")
     g.add_argument("--max-tokens", type=int, default=64)
     g.add_argument("--temperature", type=float, default=0.0)
     g.add_argument("--seed", type=int)

@@ -5,6 +5,7 @@ from dataclasses import dataclass
 
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache, PreTrainedModel
+from transformers.cache_utils import DynamicLayer
 
 from app.kv import KVStore, SequenceCache, common_prefix
 
@@ -69,6 +70,17 @@ class ModelRunner:
         self.cache.drop(seq_id)
 
 
+def _dynamic_cache(layers: list[tuple[torch.Tensor, torch.Tensor]]) -> DynamicCache:
+    """A DynamicCache over these (keys, values) without copying them (its constructor would)."""
+    cache = DynamicCache()
+    for k, v in layers:
+        layer = DynamicLayer()
+        layer.lazy_initialization(k, v)
+        layer.keys, layer.values = k, v
+        cache.layers.append(layer)
+    return cache
+
+
 class Batch:
     """A ragged batch in flight: per-sequence caches gathered into one padded DynamicCache.
 
@@ -99,7 +111,7 @@ class Batch:
             input_ids[i, : len(n)] = torch.tensor(n)
             mask[i, past - r : past + len(n)] = 1
         positions = torch.tensor(reuse).unsqueeze(1) + torch.arange(width)  # [B, W]
-        cache = DynamicCache(ddp_cache_data=self._gather(entries, reuse, past)) if past else DynamicCache()
+        cache = _dynamic_cache(self._gather(entries, reuse, past)) if past else DynamicCache()
         self.aligned = bool(mask.all())
         self.cache, self.mask = cache, mask.to(device)
         self.lengths = [r + len(n) for r, n in zip(reuse, new)]
@@ -111,6 +123,8 @@ class Batch:
     def _gather(self, entries, reuse: list[int], past: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Left-pad each reused prefix to `past`: per layer (keys, values) of [B, H, past, D]."""
         ref = next(e for e, r in zip(entries, reuse) if r)
+        if len(entries) == 1:  # a batch of one: the stored tensors themselves, no copy
+            return [(k[:, :past].unsqueeze(0), v[:, :past].unsqueeze(0)) for k, v in ref.layers]
         layers = []
         for layer in range(len(ref.layers)):
             k0 = ref.layers[layer][0]

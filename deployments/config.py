@@ -20,7 +20,7 @@ class ModelConfig(BaseModel):
 class TargetConfig(ModelConfig):
     """The target model; tensor-parallel across the GPUs of one node when tensor_parallel_size > 1."""
 
-    dtype: str = Field("bfloat16", description="float32, bfloat16, float16 or auto.")
+    dtype: str = Field("float32", description="float32, bfloat16, float16 or auto (bf16: see the README on near-ties).")
     tensor_parallel_size: int = Field(1, ge=1, description="Rank workers (one GPU each) per TargetServer replica.")
     rank_resources: dict[str, float] = Field(
         default_factory=lambda: {"CPU": 0.25},
