@@ -50,6 +50,7 @@ class Router:
         self._draft_down_until = 0.0
         self._draft_down_reason = "draft_unavailable"
         self.active = 0
+        self._releases: set[asyncio.Task] = set()
         self.metrics = RouterMetrics()
         telemetry.configure_tracing("router")
 
@@ -125,6 +126,16 @@ class Router:
                                             "specserve.finish_reason": state.finish_reason})
             if span is not None:
                 span.end()
-            self.target.release.remote(request_id)
-            if self.cfg.draft:
-                self.draft.release.remote(request_id)
+            # a task of its own: this generator may be being cancelled (client gone), the release must land
+            task = asyncio.ensure_future(self._release(request_id))
+            self._releases.add(task)
+            task.add_done_callback(self._releases.discard)
+
+    async def _release(self, request_id: str) -> None:
+        """Free the request's KV caches on the draft and target replicas that hold them."""
+        calls = [self.target.release.remote(request_id)] + ([self.draft.release.remote(request_id)]
+                                                            if self.cfg.draft else [])
+        results = await asyncio.gather(*calls, return_exceptions=True)
+        for r in results:
+            if isinstance(r, Exception):  # the replica is gone, and its caches with it
+                log.info("cache release for %s failed: %s", request_id, type(r).__name__)

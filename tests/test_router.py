@@ -33,8 +33,8 @@ class Handle:
             setattr(self, name, Method(fn))
 
 
-def _noop(*_):
-    """release() is fire-and-forget in the router: nothing awaits it."""
+async def _noop(*_):
+    return None
 
 
 @pytest.fixture()
