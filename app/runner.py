@@ -4,10 +4,10 @@ import os
 from dataclasses import dataclass
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache, PreTrainedModel
-from transformers.cache_utils import DynamicLayer
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
+from transformers.cache_utils import Cache, DynamicLayer
 
-from app.kv import KVStore, SequenceCache, common_prefix
+from app.kv import KVStore, SequenceCache, common_prefix, grown_capacity
 
 DTYPES = {"auto": "auto", "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -70,23 +70,61 @@ class ModelRunner:
         self.cache.drop(seq_id)
 
 
-def _dynamic_cache(layers: list[tuple[torch.Tensor, torch.Tensor]]) -> DynamicCache:
-    """A DynamicCache over these (keys, values) without copying them (its constructor would)."""
-    cache = DynamicCache()
-    for k, v in layers:
-        layer = DynamicLayer()
-        layer.lazy_initialization(k, v)
-        layer.keys, layer.values = k, v
-        cache.layers.append(layer)
-    return cache
+ROOM = 8  # spare positions a batch buffer gets beyond its prefill: the draft's extend() steps fill them
+
+
+class _SlabLayer(DynamicLayer):
+    """A cache layer over a preallocated [B, H, capacity, D] buffer: new positions are written in place.
+
+    transformers' DynamicLayer concatenates, copying the whole cache at every forward; this layer
+    copies only when its buffer is full (and then grows it by a quarter).
+    """
+
+    def __init__(self, keys: torch.Tensor | None = None, values: torch.Tensor | None = None, length: int = 0):
+        super().__init__()
+        self.buffers = None if keys is None else (keys, values)
+        self.length = length
+        if keys is not None:
+            self.dtype, self.device, self.is_initialized = keys.dtype, keys.device, True
+            self._expose()
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        b, h, w, d = key_states.shape
+        self.dtype, self.device, self.is_initialized = key_states.dtype, key_states.device, True
+        self.buffers = (key_states.new_empty(b, h, w + ROOM, d), value_states.new_empty(b, h, w + ROOM, value_states.shape[-1]))
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        end = self.length + key_states.shape[-2]
+        keys, values = self.buffers
+        if end > keys.shape[2]:
+            cap = grown_capacity(end)
+            grown = []
+            for t in (keys, values):
+                g = t.new_empty(t.shape[0], t.shape[1], cap, t.shape[3])
+                g[:, :, : self.length] = t[:, :, : self.length]
+                grown.append(g)
+            self.buffers = keys, values = tuple(grown)
+        keys[:, :, self.length : end] = key_states
+        values[:, :, self.length : end] = value_states
+        self.length = end
+        self._expose()
+        return self.keys, self.values
+
+    def _expose(self) -> None:
+        keys, values = self.buffers
+        self.keys, self.values = keys[:, :, : self.length], values[:, :, : self.length]
 
 
 class Batch:
-    """A ragged batch in flight: per-sequence caches gathered into one padded DynamicCache.
+    """A ragged batch in flight: per-sequence caches gathered into one padded batch cache.
 
     Layout of row i in the KV axis: [left pad | reused prefix | new tokens | right pad | extended...];
     pads are masked out and positions are explicit, so every row sees exactly its own sequence.
     When no row needs padding (always at batch 1) the mask is dropped: the model's causal fast path.
+    A batch of one computes in its sequence's own slab, copying nothing; a larger batch copies each
+    reused prefix in once, and close() writes back only the positions this batch computed.
     """
 
     def __init__(self, runner: ModelRunner, seqs: list[SeqInput]):
@@ -111,30 +149,41 @@ class Batch:
             input_ids[i, : len(n)] = torch.tensor(n)
             mask[i, past - r : past + len(n)] = 1
         positions = torch.tensor(reuse).unsqueeze(1) + torch.arange(width)  # [B, W]
-        cache = _dynamic_cache(self._gather(entries, reuse, past)) if past else DynamicCache()
+        self.entries, self.reuse, self.new_lengths, self.past, self.width = entries, reuse, [len(n) for n in new], past, width
+        self.in_place = b == 1 and past > 0
+        if self.in_place:
+            # the row's own slab is the batch buffer: positions past the reused prefix are overwritten,
+            # so the stored entry forgets them now (an exception mid-forward leaves it valid)
+            entries[0].token_ids = entries[0].token_ids[:past]
+        self.cache = Cache(layers=self._gather(entries, reuse, past, width)) if past else Cache(
+            layer_class_to_replicate=_SlabLayer)
         self.aligned = bool(mask.all())
-        self.cache, self.mask = cache, mask.to(device)
+        self.mask = mask.to(device)
         self.lengths = [r + len(n) for r, n in zip(reuse, new)]
         self.recomputed = sum(len(n) for n in new)
         out = self._run(input_ids.to(device), positions.to(device), torch.arange(past, past + width, device=device))
         v = runner.vocab_size
         self.logits = [out[i, len(n) - s.num_logits : len(n), :v].float() for i, (n, s) in enumerate(zip(new, seqs))]
 
-    def _gather(self, entries, reuse: list[int], past: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """Left-pad each reused prefix to `past`: per layer (keys, values) of [B, H, past, D]."""
+    def _gather(self, entries, reuse: list[int], past: int, width: int) -> list[_SlabLayer]:
+        """Per layer a buffer [B, H, past + width + ROOM, D] with each reused prefix left-padded to `past`."""
         ref = next(e for e, r in zip(entries, reuse) if r)
-        if len(entries) == 1:  # a batch of one: the stored tensors themselves, no copy
-            return [(k[:, :past].unsqueeze(0), v[:, :past].unsqueeze(0)) for k, v in ref.layers]
+        if self.in_place:
+            return [_SlabLayer(k.unsqueeze(0), v.unsqueeze(0), past) for k, v in ref.slabs]
+        cap = past + width + ROOM
         layers = []
-        for layer in range(len(ref.layers)):
-            k0 = ref.layers[layer][0]
-            keys = k0.new_zeros(len(entries), k0.shape[0], past, k0.shape[2])
-            values = torch.zeros_like(keys)
+        for layer in range(len(ref.slabs)):
+            k0, v0 = ref.slabs[layer]
+            keys = k0.new_empty(len(entries), k0.shape[0], cap, k0.shape[2])
+            values = v0.new_empty(len(entries), v0.shape[0], cap, v0.shape[2])
             for i, (e, r) in enumerate(zip(entries, reuse)):
+                pad = past - r
+                keys[i, :, :pad] = 0  # masked out, but must be finite: 0 x NaN would poison the softmax
+                values[i, :, :pad] = 0
                 if r:
-                    keys[i, :, past - r :] = e.layers[layer][0][:, :r]
-                    values[i, :, past - r :] = e.layers[layer][1][:, :r]
-            layers.append((keys, values))
+                    keys[i, :, pad:past] = e.slabs[layer][0][:, :r]
+                    values[i, :, pad:past] = e.slabs[layer][1][:, :r]
+            layers.append(_SlabLayer(keys, values, past))
         return layers
 
     def _run(self, input_ids, positions, cache_position) -> torch.Tensor:
@@ -161,17 +210,39 @@ class Batch:
     @torch.inference_mode()
     def close(self, keep: list[int]) -> None:
         """Store each row's first keep[i] positions as its cache (later positions are rolled back)."""
-        layers = [(layer.keys, layer.values) for layer in self.cache.layers]
+        store = self.runner.cache
+        buffers = [layer.buffers for layer in self.cache.layers]
+        extended = self.mask.shape[1] - self.past - self.width  # extend() steps taken
         for i, (seq_id, ids, n) in enumerate(zip(self.seq_ids, self.token_ids, keep)):
             n = min(n, self.lengths[i])
             if n <= 0:
-                self.runner.cache.drop(seq_id)
+                store.drop(seq_id)
                 continue
-            if self.aligned:  # no pads: the row's first n positions (a view when the batch is this row alone)
-                own = len(self.seq_ids) == 1
-                kv = [(k[i, :, :n] if own else k[i, :, :n].clone(), v[i, :, :n] if own else v[i, :, :n].clone())
-                      for k, v in layers]
+            if self.in_place or (len(self.seq_ids) == 1 and self.past == 0):  # the buffer is this row's alone
+                store.put(seq_id, SequenceCache(ids[:n], [(k[0], v[0]) for k, v in buffers]))
+                continue
+            r, w = self.reuse[i], self.new_lengths[i]
+            entry = self.entries[i]
+            if entry is None or store.get(seq_id) is not entry or r == 0:
+                # no slab to extend (new, evicted or released meanwhile): a fresh one, prefix included
+                entry = self._fresh_entry(buffers, n)
+                segments = [(0, self.past - r, min(n, r))] if r else []
             else:
-                idx = self.mask[i].nonzero().squeeze(-1)[:n]
-                kv = [(k[i].index_select(1, idx), v[i].index_select(1, idx)) for k, v in layers]
-            self.runner.cache.put(seq_id, SequenceCache(ids[:n], kv))
+                entry.token_ids = entry.token_ids[:r]
+                entry.reserve(n)
+                segments = []
+            # (first position, first column, positions) of what this batch computed for the row
+            segments += [(r, self.past, min(w, n - r)), (r + w, self.past + self.width, min(extended, n - r - w))]
+            for (k, v), (ks, vs) in zip(buffers, entry.slabs):
+                for pos, col, count in segments:
+                    if count > 0:
+                        ks[:, pos : pos + count] = k[i, :, col : col + count]
+                        vs[:, pos : pos + count] = v[i, :, col : col + count]
+            entry.token_ids = ids[:n]
+            store.put(seq_id, entry)
+
+    @staticmethod
+    def _fresh_entry(buffers, n: int) -> SequenceCache:
+        cap = grown_capacity(n)
+        return SequenceCache([], [(k.new_empty(k.shape[1], cap, k.shape[3]), v.new_empty(v.shape[1], cap, v.shape[3]))
+                                  for k, v in buffers])

@@ -15,6 +15,9 @@ class ModelConfig(BaseModel):
     device: str = Field("auto", description="torch device; auto = cuda when available, else cpu.")
     max_cache_bytes: int = Field(1 << 30, gt=0, description="KV cache budget per replica, bytes (LRU beyond).")
     trust_remote_code: bool = Field(False, description="Run code shipped with the weights; off unless you trust them.")
+    torch_threads: int | None = Field(
+        None, ge=1, description="torch CPU threads of each replica (and rank worker); None = Ray's default, one "
+        "per whole reserved CPU. On CPU nodes give the target the cores it may use.")
 
 
 class TargetConfig(ModelConfig):

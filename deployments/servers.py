@@ -17,10 +17,11 @@ from app.runner import ModelRunner
 from app.spec import Proposal, ProposeItem, Verdict, VerifyItem, propose, verify
 from deployments.config import BatchConfig, ModelConfig, TargetConfig
 from deployments.metrics import ServerMetrics
-from deployments.tp import RankGroup
+from deployments.tp import RankGroup, set_torch_threads
 
 
 def load_runner(cfg: ModelConfig, path: str) -> ModelRunner:
+    set_torch_threads(cfg)
     device = cfg.device if cfg.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
     return ModelRunner.from_pretrained(path, dtype=cfg.dtype, device=device, max_cache_bytes=cfg.max_cache_bytes,
                                        trust_remote_code=cfg.trust_remote_code)

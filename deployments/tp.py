@@ -20,7 +20,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from app.runner import DTYPES, ModelRunner
 from app.spec import Verdict, VerifyItem, verify
-from deployments.config import TargetConfig
+from deployments.config import ModelConfig, TargetConfig
 
 
 class RankFailure(RuntimeError):
@@ -35,6 +35,12 @@ def check_divisible(path: str, n: int, trust_remote_code: bool = False) -> None:
     if heads is None or heads % n or kv % n:
         raise ValueError(f"tensor_parallel_size={n} must divide the target's attention heads ({heads}) and "
                          f"key/value heads ({kv}); choose a divisor")
+
+
+def set_torch_threads(cfg: ModelConfig) -> None:
+    """Ray sets one OpenMP thread per whole reserved CPU (one for a fraction); the config may say otherwise."""
+    if cfg.torch_threads:
+        torch.set_num_threads(cfg.torch_threads)
 
 
 @dataclass
@@ -61,6 +67,7 @@ class RankWorker:
         os.environ.update(MASTER_ADDR=address, MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
                           LOCAL_RANK="0" if cuda else str(rank))  # Ray gives each rank its own GPU as cuda:0
         torch.distributed.init_process_group("nccl" if cuda else "gloo", rank=rank, world_size=world)
+        set_torch_threads(cfg)
         from transformers.distributed import DistributedConfig
 
         model = AutoModelForCausalLM.from_pretrained(

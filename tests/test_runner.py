@@ -75,3 +75,39 @@ def test_release_frees_the_cache(target_runner):
     assert "a" in target_runner.cache and target_runner.cache.nbytes > 0
     target_runner.release("a")
     assert "a" not in target_runner.cache and target_runner.cache.nbytes == 0
+
+
+def test_rounds_of_changing_batches_keep_every_cache_exact(target_runner, target_model):
+    """Many rounds mixing a lone sequence (computed in its own slab) and ragged batches (written back),
+    rollbacks, extend() runs longer than a buffer's spare room, and a cache dropped mid-batch."""
+    gen = torch.Generator().manual_seed(11)
+    seqs = {name: random_ids(20 + i, 6 + 5 * i) for i, name in enumerate("abc")}
+    groups = [["a"], ["a", "b", "c"], ["b"], ["c", "a"], ["a", "b", "c"], ["b"], ["a", "c"], ["c"]]
+    for round_, group in enumerate(groups):
+        for name in group:
+            seqs[name] = seqs[name] + random_ids(200 + round_, 1 + round_ % 3)
+        batch = target_runner.open([SeqInput(n, seqs[n], 2) for n in group])
+        for n, logits in zip(group, batch.logits):
+            torch.testing.assert_close(logits, fresh_logits(target_model, seqs[n], 2), atol=ATOL, rtol=0)
+        steps = 12 if round_ % 2 else 2  # 12 extends overflow the batch buffer's spare room
+        for step in range(steps):
+            tokens = torch.randint(2, 98, (len(group),), generator=gen).tolist()
+            logits = batch.extend(tokens)
+            for i, n in enumerate(group):
+                seqs[n] = seqs[n] + [tokens[i]]
+                torch.testing.assert_close(logits[i], fresh_logits(target_model, seqs[n], 1)[0], atol=ATOL, rtol=0)
+        if round_ == 4:
+            target_runner.release("b")  # released while its batch computes: it must come back whole
+        # keep all but a few trailing positions: the next round recomputes (rolls back) them
+        keep = [len(seqs[n]) - (round_ + i) % 4 for i, n in enumerate(group)]
+        batch.close(keep)
+        for n, k in zip(group, keep):
+            seqs[n] = seqs[n][:k]
+            entry = target_runner.cache.get(n)
+            assert entry.token_ids == seqs[n] and entry.capacity >= k
+    assert target_runner.cache.nbytes == sum(target_runner.cache.get(n).nbytes for n in seqs)
+    for n, ids in seqs.items():  # the stored KV of every position equals a fresh forward's: check via logits
+        batch = target_runner.open([SeqInput(n, ids + [5], 1)])
+        assert batch.recomputed == 1
+        torch.testing.assert_close(batch.logits[0], fresh_logits(target_model, ids + [5], 1), atol=ATOL, rtol=0)
+        batch.close([len(ids)])
