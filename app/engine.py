@@ -58,8 +58,8 @@ class Engine:
         self.tokenizer = target.tokenizer
         self.k_max, self.draft_top_n = k_max, draft_top_n
         self.costs = CostEstimator()
-        self._verify = MicroBatcher(lambda items: verify(self.target, items))
-        self._propose = MicroBatcher(lambda items: propose(self.draft, items, self.draft_top_n)) if draft else None
+        self._verify = MicroBatcher(lambda items, _: verify(self.target, items))
+        self._propose = MicroBatcher(lambda items, _: propose(self.draft, items, self.draft_top_n)) if draft else None
 
     @classmethod
     def from_config(cls, config: EngineConfig) -> "Engine":

@@ -1,13 +1,29 @@
 """Session affinity: every call of one sequence goes to the same replica, so its KV cache is reused.
 
-Rendezvous hashing on the sequence id picks the preferred replica; if it cannot take the request
-(queue full), the other replicas are tried least-loaded first via Serve's power-of-two fallback.
-Affinity is a speed-up only: any replica computes the same answer from the full token ids.
+The router sends the rounds of many sequences as one `Calls`, grouped by the replica that served
+each sequence before (its home, named by `replica_hint`); a sequence without a home goes where
+rendezvous hashing on its id points. If that replica cannot take the request (queue full) or is
+gone, the others are tried least-loaded first via Serve's power-of-two fallback. Affinity is a
+speed-up only: any replica computes the same answer from the full token ids.
 """
 
 import hashlib
+from dataclasses import dataclass, field
 
 from ray.serve.request_router import PendingRequest, RequestRouter, RunningReplica
+
+
+@dataclass
+class Calls:
+    """Several sequences' items (ProposeItems, VerifyItems or sequence ids) sent in one deployment call."""
+
+    items: list = field(default_factory=list)
+    replica_hint: str | None = None  # the replica that holds these sequences' caches, if any
+
+    @property
+    def seq_id(self) -> str | None:
+        first = self.items[0] if self.items else None
+        return getattr(first, "seq_id", first)
 
 
 def sequence_id(pending: PendingRequest | None) -> str | None:
@@ -24,13 +40,20 @@ def _score(seq_id: str, replica_id: str) -> int:
 
 
 class SessionAffinityRouter(RequestRouter):
-    """Routes a sequence to its rendezvous-hash replica, then to the others in hash order."""
+    """Routes calls to their home replica, else to their first sequence's rendezvous-hash replica; then the others."""
 
     async def choose_replicas(
         self, candidate_replicas: list[RunningReplica], pending_request: PendingRequest | None = None
     ) -> list[list[RunningReplica]]:
+        if len(candidate_replicas) <= 1:
+            return [candidate_replicas]
+        first = pending_request.args[0] if pending_request and pending_request.args else None
+        hint = getattr(first, "replica_hint", None)
+        home = [r for r in candidate_replicas if r.replica_id.unique_id == hint]
+        if home:
+            return [home, [r for r in candidate_replicas if r is not home[0]]]
         seq = sequence_id(pending_request)
-        if seq is None or len(candidate_replicas) <= 1:
+        if seq is None:
             return [candidate_replicas]
         ranked = sorted(candidate_replicas, key=lambda r: _score(seq, r.replica_id.unique_id), reverse=True)
         return [[ranked[0]], ranked[1:]]

@@ -17,9 +17,11 @@ from transformers import AutoTokenizer
 from app import telemetry
 from app.controller import CostEstimator, KController, KControllerConfig
 from app.driver import DraftUnavailable, run_rounds
+from app.batching import MicroBatcher
 from app.params import SamplingParams
 from app.request import RequestState
 from app.spec import Proposal, ProposeItem, Verdict, VerifyItem
+from deployments.affinity import Calls
 from deployments.config import AppConfig
 from deployments.tp import RankFailure
 from deployments.metrics import RouterMetrics
@@ -51,6 +53,13 @@ class Router:
         self._draft_down_reason = "draft_unavailable"
         self.active = 0
         self._releases: set[asyncio.Task] = set()
+        # one deployment call per pool and event-loop turn carries every request's round, grouped by
+        # the replica that holds each sequence's cache (its home); see deployments.affinity
+        self._homes: dict[tuple[str, str], str] = {}  # (pool, seq id) -> replica id
+        self._draft_calls = MicroBatcher(lambda items, home: self.draft.propose_many.remote(Calls(items, home)),
+                                         cfg.draft_batch.max_batch_size)
+        self._target_calls = MicroBatcher(lambda items, home: self.target.verify_many.remote(Calls(items, home)),
+                                          cfg.target_batch.max_batch_size)
         self.metrics = RouterMetrics()
         telemetry.configure_tracing("router")
 
@@ -58,7 +67,8 @@ class Router:
         if time.monotonic() < self._draft_down_until:
             raise DraftUnavailable("draft pool backing off", self._draft_down_reason)
         try:
-            return await asyncio.wait_for(self.draft.propose.remote(item), self.cfg.speculation.draft_timeout_s)
+            return await asyncio.wait_for(self._call("draft", self._draft_calls, item),
+                                          self.cfg.speculation.draft_timeout_s)
         except (asyncio.TimeoutError, *REPLICA_GONE) as e:
             log.warning("draft unavailable (%s); plain target steps for %.1fs", type(e).__name__,
                         self.cfg.speculation.draft_retry_after_s)
@@ -70,7 +80,7 @@ class Router:
         retries = self.cfg.limits.target_retries
         for attempt in range(retries + 1):
             try:
-                verdict = await self.target.verify.remote(item)
+                verdict = await self._call("target", self._target_calls, item)
                 self.target_batch = 0.8 * self.target_batch + 0.2 * verdict.stats.get("batch_size", 1)
                 return verdict
             except Exception as e:
@@ -82,6 +92,18 @@ class Router:
                 self.metrics.retry()
                 await asyncio.sleep(min(0.5 * 2**attempt, 5.0))
         raise AssertionError("unreachable")
+
+    async def _call(self, pool: str, calls: MicroBatcher, item: ProposeItem | VerifyItem) -> Proposal | Verdict:
+        """Send an item with the others of its home replica; remember where it was served."""
+        key = (pool, item.seq_id)
+        try:
+            result = await calls.submit(item, self._homes.get(key))
+        except BaseException:
+            self._homes.pop(key, None)  # its home may be gone: let the next call go anywhere
+            raise
+        if "replica" in result.stats:
+            self._homes[key] = result.stats["replica"]
+        return result
 
     def _verify_cost(self) -> float:
         # roofline: a target step costs the same until its batch holds `saturation` tokens, then grows
@@ -133,8 +155,9 @@ class Router:
 
     async def _release(self, request_id: str) -> None:
         """Free the request's KV caches on the draft and target replicas that hold them."""
-        calls = [self.target.release.remote(request_id)] + ([self.draft.release.remote(request_id)]
-                                                            if self.cfg.draft else [])
+        pools = [("target", self.target)] + ([("draft", self.draft)] if self.cfg.draft else [])
+        calls = [handle.release.remote(Calls([request_id], self._homes.pop((pool, request_id), None)))
+                 for pool, handle in pools]
         results = await asyncio.gather(*calls, return_exceptions=True)
         for r in results:
             if isinstance(r, Exception):  # the replica is gone, and its caches with it

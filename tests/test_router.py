@@ -26,11 +26,22 @@ class Method:
 
 
 class Handle:
-    """Stands in for a DeploymentHandle: handle.method.remote(...) is awaitable."""
+    """Stands in for a DeploymentHandle: handle.method.remote(...) is awaitable.
+
+    Like the servers, it takes a router's coalesced `Calls` on `<method>_many`, item by item.
+    """
 
     def __init__(self, **methods):
+        self.calls: list[int] = []  # items per coalesced call
         for name, fn in methods.items():
             setattr(self, name, Method(fn))
+            setattr(self, f"{name}_many", Method(self._many(fn)))
+
+    def _many(self, fn):
+        async def many(calls):
+            self.calls.append(len(calls.items))
+            return await asyncio.gather(*(fn(item) for item in calls.items), return_exceptions=True)
+        return many
 
 
 async def _noop(*_):
@@ -80,6 +91,25 @@ def test_router_output_is_the_targets(model_dirs, runners, reference):
     tokens, last = run(make_router(model_dirs, runners), {"num_tokens": 3})
     assert tokens == reference and last["finish_reason"] == "length"
     assert last["speculation"]["drafted_tokens"] > 0
+
+
+def test_concurrent_requests_share_deployment_calls(model_dirs, runners, reference):
+    """Rounds of concurrent requests go out as one call per pool (then batched by the server)."""
+    router = make_router(model_dirs, runners)
+    params = SamplingParams(temperature=0, max_tokens=N, ignore_eos=True, speculation={"num_tokens": 3}).model_dump()
+
+    async def one(i: int) -> list[int]:
+        tokens = []
+        async for chunk in router.generate(f"r{i}", PROMPT_IDS, params):
+            tokens += chunk.get("token_ids", [])
+        return tokens
+
+    async def all_of_them():
+        return await asyncio.gather(*(one(i) for i in range(6)))
+    assert asyncio.run(all_of_them()) == [reference] * 6
+    assert max(router.target.calls) == 6 and max(router.draft.calls) == 6
+    assert len(router.target.calls) < sum(router.target.calls)  # fewer calls than rounds
+    assert not router._homes  # every request's homes are forgotten when it ends
 
 
 def test_draft_past_its_deadline_falls_open(model_dirs, runners, reference):
