@@ -15,9 +15,9 @@ from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError
 from transformers import AutoTokenizer
 
 from app import telemetry
+from app.batching import MicroBatcher
 from app.controller import CostEstimator, KController, KControllerConfig
 from app.driver import DraftUnavailable, run_rounds
-from app.batching import MicroBatcher
 from app.params import SamplingParams
 from app.request import RequestState
 from app.spec import Proposal, ProposeItem, Verdict, VerifyItem

@@ -51,9 +51,9 @@ class _Server:
         method.set_max_batch_size(batch.max_batch_size)
         method.set_batch_wait_timeout_s(batch.batch_wait_timeout_s)
         # @serve.batch fuses the calls that arrive together, but it forms its next batch at once, not
-        # when the model is free: under load its batches queue one behind another, a call or two each
-        # (measured: 1.5 calls per forward from 16 callers). So every batch joins the forward queue,
-        # which runs one forward at a time over everything waiting: batches grow with the load.
+        # when the model is free: under load its batches queue one behind another, a call or two each.
+        # So every batch joins the forward queue, which runs one forward at a time over everything
+        # waiting: batches grow with the load (the Serve benchmark's `Bmax` column shows them).
         self._forwards = MicroBatcher(lambda items, _: self._forward(items), batch.max_batch_size, serial=True)
 
     def _load(self, cfg: ModelConfig, path: str):
@@ -80,9 +80,9 @@ class _Server:
         self.served += len(items)
         self.metrics.batch(len(items), self.cache)
 
-    async def release(self, seq_ids: Calls | str) -> None:
+    async def release(self, seq_ids: Calls) -> None:
         """Free finished or cancelled requests' caches (and again after a batch still computing them)."""
-        for seq_id in seq_ids.items if isinstance(seq_ids, Calls) else [seq_ids]:
+        for seq_id in seq_ids.items:
             self._released[seq_id] = None
             if len(self._released) > 4096:
                 self._released.popitem(last=False)

@@ -388,6 +388,7 @@ def test_a_release_during_the_batch_computing_the_sequence_still_frees_it(target
     from collections import OrderedDict
 
     from app.runner import SeqInput
+    from deployments.affinity import Calls
     from deployments.servers import DraftServer
 
     server = object.__new__(DraftServer)  # no Serve: only the release bookkeeping is under test
@@ -396,7 +397,7 @@ def test_a_release_during_the_batch_computing_the_sequence_still_frees_it(target
 
     async def cancelled_mid_batch():
         async with server._observed("propose", [SimpleNamespace(seq_id="a", trace=None)]):
-            await server.release("a")  # the request ends while its last call computes...
+            await server.release(Calls(["a"]))  # the request ends while its last call computes...
             target_runner.forward([SeqInput("a", [2, 3, 4], 1)])  # ...which then stores the cache
             assert "a" in target_runner.cache
     asyncio.run(cancelled_mid_batch())
