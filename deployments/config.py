@@ -17,7 +17,8 @@ class ModelConfig(BaseModel):
     trust_remote_code: bool = Field(False, description="Run code shipped with the weights; off unless you trust them.")
     torch_threads: int | None = Field(
         None, ge=1, description="torch CPU threads of each replica (and rank worker); None = Ray's default, one "
-        "per whole reserved CPU. On CPU nodes give the target the cores it may use.")
+        "per whole reserved CPU. Raise it on CPU nodes with cores to spare (on a 2-core node that also runs Ray's "
+        "processes, 2 target threads measured slower than 1).")
 
 
 class TargetConfig(ModelConfig):

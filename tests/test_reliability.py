@@ -210,21 +210,28 @@ def one(url: str, prompt: str, max_tokens: int = N, spec: dict | None = None) ->
     return asyncio.run(go())
 
 
+def fault_run(url: str, reference: dict, prompts: list[str], deployment: str, recovered, name: str,
+              timeout_s: float = 90, max_tokens: int = N) -> tuple[list[Outcome], dict, bool]:
+    """Load `url`, kill one `deployment` replica once tokens flow, then poll `recovered(killed_name)`;
+    reports and returns (outcomes, tally, whether it recovered within timeout_s)."""
+    killed = {}
+    outcomes = asyncio.run(load_run(url, prompts, max_tokens=max_tokens, during=lambda: killed.update(
+        t=time.monotonic(), name=kill_replica(deployment))))
+    ok = wait_until(lambda: recovered(killed["name"]), timeout_s, every_s=0.5)
+    figures = tally(outcomes, reference, max_tokens)
+    report(name, figures, time.monotonic() - killed["t"] if ok else None, outcomes)
+    return outcomes, figures, bool(ok)
+
+
 # -- faults --------------------------------------------------------------------------------------
 @pytest.mark.slow
 def test_draft_killed_mid_load_fails_open_then_speculates_again(deployed, reference):
     url = deployed("faults")
-    killed = {}
-    outcomes = asyncio.run(load_run(url, PROMPTS, during=lambda: killed.update(t=time.monotonic(),
-                                                                            name=kill_replica("DraftServer"))))
-    # recovered: a fresh request drafts again (the replacement is up and the back-off is over)
-    def speculating():
+
+    def speculating(_killed: str) -> bool:  # the replacement is up and the back-off is over
         o = one(url, PROMPTS[0], max_tokens=8)
         return o.finished and o.speculation.get("drafted_tokens", 0) > 0
-    recovered = wait_until(speculating, 90, every_s=0.5)
-    recovery = time.monotonic() - killed["t"] if recovered else None
-    figures = tally(outcomes, reference)
-    report("draft killed", figures, recovery)
+    _, figures, recovered = fault_run(url, reference, PROMPTS, "DraftServer", speculating, "draft killed")
     assert figures["completed"] == figures["sent"] and figures["differing"] == 0
     assert recovered, "speculation did not resume within 90 s of the draft replica's death"
 
@@ -233,13 +240,10 @@ def test_draft_killed_mid_load_fails_open_then_speculates_again(deployed, refere
 def test_target_killed_with_two_replicas_loses_nothing(deployed, reference):
     url = deployed("faults")
     wait_until(lambda: running("TargetServer") == 2, 120)
-    killed = {}
-    outcomes = asyncio.run(load_run(url, PROMPTS * 2, during=lambda: killed.update(t=time.monotonic(),
-                                                                                name=kill_replica("TargetServer"))))
-    restored = wait_until(lambda: running("TargetServer") == 2 and killed["name"] not in replicas("TargetServer"), 120)
-    recovery = time.monotonic() - killed["t"] if restored else None
-    figures = tally(outcomes, reference)
-    report("target killed (2 replicas)", figures, recovery)
+    _, figures, restored = fault_run(
+        url, reference, PROMPTS * 2, "TargetServer",
+        lambda killed: running("TargetServer") == 2 and killed not in replicas("TargetServer"),
+        "target killed (2 replicas)", timeout_s=120)
     assert figures["completed"] == figures["sent"] and figures["differing"] == 0
     assert restored, "no replacement target replica within 120 s"
 
@@ -248,14 +252,10 @@ def test_target_killed_with_two_replicas_loses_nothing(deployed, reference):
 def test_router_killed_ends_its_streams_with_an_error(deployed, reference):
     url = deployed("faults")
     wait_until(lambda: running("Router") == 2, 120)
-    killed = {}
-    outcomes = asyncio.run(load_run(url, PROMPTS * 2, max_tokens=SOAK_N,
-                                    during=lambda: killed.update(t=time.monotonic(), name=kill_replica("Router"))))
-    # new requests succeed again (retrying 503s, bounded)
-    recovered = wait_until(lambda: one(url, PROMPTS[0]).finished, 90, every_s=0.5)
-    recovery = time.monotonic() - killed["t"] if recovered else None
-    figures = tally(outcomes, reference, SOAK_N)
-    report("router killed (2 replicas)", figures, recovery, outcomes)
+    # recovered: new requests succeed again (retrying 503s, bounded)
+    outcomes, figures, recovered = fault_run(url, reference, PROMPTS * 2, "Router",
+                                             lambda _: one(url, PROMPTS[0]).finished, "router killed (2 replicas)",
+                                             max_tokens=SOAK_N)
     assert figures["silent_cuts"] == 0, [o.cut for o in outcomes if o.cut]
     assert figures["completed"] + figures["failed_clear"] == figures["sent"] and figures["differing"] == 0
     for o in outcomes:
@@ -291,13 +291,8 @@ def test_client_disconnect_frees_caches_on_draft_and_target(deployed):
 @pytest.mark.slow
 def test_lone_target_killed_requests_resume_or_fail_clearly(deployed, reference):
     url = deployed("limits")
-    killed = {}
-    outcomes = asyncio.run(load_run(url, PROMPTS[:2], during=lambda: killed.update(t=time.monotonic(),
-                                                                                name=kill_replica("TargetServer"))))
-    recovered = wait_until(lambda: one(url, PROMPTS[0]).finished, 90, every_s=0.5)
-    recovery = time.monotonic() - killed["t"] if recovered else None
-    figures = tally(outcomes, reference)
-    report("target killed (1 replica)", figures, recovery, outcomes)
+    outcomes, figures, recovered = fault_run(url, reference, PROMPTS[:2], "TargetServer",
+                                             lambda _: one(url, PROMPTS[0]).finished, "target killed (1 replica)")
     print("  caches after:", {name: server_stats(name)["sequences"] for name in ("DraftServer", "TargetServer")})
     assert figures["silent_cuts"] == 0 and figures["differing"] == 0
     assert figures["completed"] + figures["failed_clear"] == figures["sent"]
