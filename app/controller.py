@@ -127,6 +127,16 @@ class KController:
         self._failures = (1.0 - cfg.prior_alpha) * cfg.prior_weight  # decayed rejections
         self._zero_rounds = 0  # consecutive rounds choose() returned 0
 
+    def snapshot(self) -> tuple[float, float, int]:
+        """The state that decides future K: streamed with the tokens, so a request resumed on another
+        replica chooses the same K schedule (a seeded request's draws depend on it)."""
+        return (self._successes, self._failures, self._zero_rounds)
+
+    def restore(self, snapshot: tuple[float, float, int] | list | None) -> "KController":
+        if snapshot is not None:
+            self._successes, self._failures, self._zero_rounds = float(snapshot[0]), float(snapshot[1]), int(snapshot[2])
+        return self
+
     @property
     def alpha(self) -> float:
         """Current estimate of the per-token acceptance rate."""

@@ -1,11 +1,27 @@
-"""The per-request loop of rounds, shared by the in-process engine and the Serve router.
+"""One request's rounds, top to bottom: choose K, propose, verify, keep; the draft runs a round ahead.
 
-The driver owns the request's state; `propose` and `verify` are injected async callables (local
-micro-batchers in process, deployment handles in Serve), so the same loop runs in both places.
+The same loop runs in process (app.engine) and in every TargetServer replica (deployments.servers):
+`propose` and `verify` are injected async callables. In process both are local forward queues; in
+a replica verify is the replica's own forward queue and propose a call to the draft pool. Each
+queue runs one forward at a time over every sequence waiting, so the rounds of all the requests a
+replica holds are batched continuously: a request joins the next forward the moment its round is
+ready, and a prompt is a round with K = 0 whose new tokens are the whole prompt.
+
+Draft ahead (pre-speculation): while round n is verified, the draft is already asked for round
+n+1 under the likely outcome that all K tokens are accepted and the target's bonus token is the
+draft's own guess of it. If so, round n+1 starts with its proposal in hand. A proposal is a
+function of the context alone (its draws are addressed by position), so using it changes timing,
+never tokens.
+
+Fail open, per sequence: a draft that errs or misses its deadline turns this sequence's rounds
+into plain target steps for a while; no other sequence is touched.
 """
 
+import asyncio
+import copy
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
 
 from app import telemetry
 from app.controller import CostEstimator, KController
@@ -30,9 +46,19 @@ ProposeFn = Callable[[ProposeItem], Awaitable[Proposal]]
 VerifyFn = Callable[[VerifyItem], Awaitable[Verdict]]
 
 
-def within_room(state: RequestState, k: int) -> int:
-    """K capped by the room left: a round emits at most K + 1 tokens and feeds K more positions."""
-    return max(0, min(k, state.room() - 1))
+@dataclass
+class DraftPolicy:
+    """How a sequence uses its draft."""
+
+    timeout_s: float = 2.0  # a proposal later than this: the round runs as a plain target step
+    retry_after_s: float = 5.0  # after a draft failure, this sequence's rounds are plain steps this long
+    ahead: bool = True  # ask for round n+1's proposal while round n is verified
+    clock: Callable[[], float] = time.monotonic  # injected by tests
+
+
+def within_room(state: RequestState, k: int, emitted: int = 0) -> int:
+    """K capped by the room left after `emitted` more tokens: a round emits at most K + 1 tokens."""
+    return max(0, min(k, state.room() - emitted - 1))
 
 
 def _costs(state: RequestState, costs: CostEstimator, verify_cost: Callable[[], float]) -> tuple[float, float]:
@@ -47,6 +73,129 @@ def _costs(state: RequestState, costs: CostEstimator, verify_cost: Callable[[], 
     return costs.c, verify_cost()
 
 
+@dataclass
+class _Ahead:
+    """A proposal requested for a context the sequence may reach next round."""
+
+    context: list[int]
+    k: int
+    task: asyncio.Task
+    started: float
+
+
+class Rounds:
+    """The rounds of one request; `next()` runs one and returns what it kept and how it went."""
+
+    def __init__(self, state: RequestState, propose: ProposeFn | None, verify: VerifyFn, controller: KController,
+                 costs: CostEstimator, verify_cost: Callable[[], float] = lambda: 0.0,
+                 policy: DraftPolicy | None = None):
+        self.state, self.propose, self.verify = state, propose, verify
+        self.controller, self.costs, self.verify_cost = controller, costs, verify_cost
+        self.policy = policy or DraftPolicy()
+        self.ahead: _Ahead | None = None
+        self.draft_down_until = float("-inf")
+        self.down_reason = "draft_unavailable"
+
+    async def next(self) -> tuple[Verdict, RoundFacts]:
+        """One round: choose K, get a proposal (drafted ahead, or now, or none), verify, learn."""
+        state, clock = self.state, self.policy.clock
+        t_round = time.perf_counter()
+        wanted = self.controller.choose(*_costs(state, self.costs, self.verify_cost)) if self.propose else 0
+        k = within_room(state, wanted)
+        proposal, fallback, ahead_hit, t_draft = Proposal.empty(), None, None, 0.0
+        if k > 0 and clock() < self.draft_down_until:
+            fallback = self.down_reason
+        elif k > 0:
+            t0 = time.perf_counter()
+            ahead_hit = self._ahead_matches(k) if self.ahead is not None else None
+            try:
+                proposal = await (self._await_ahead() if ahead_hit else self._draft(state.token_ids, k))
+            except DraftUnavailable as e:
+                fallback, self.down_reason = e.reason, e.reason
+                self.draft_down_until = clock() + self.policy.retry_after_s
+                proposal = Proposal.empty()
+            proposal = proposal.head(k)
+            t_draft = time.perf_counter() - t0
+        elif wanted == 0 and self.propose and state.params.speculation.pinned_k() != 0:
+            fallback = "controller"  # speculation is on, but the controller found it would not pay
+        self._cancel_ahead()
+        if proposal.tokens and self.policy.ahead and proposal.guess is not None:
+            self._draft_ahead(proposal)
+        t0 = time.perf_counter()
+        with telemetry.span("target.verify", attributes={"specserve.k": len(proposal.tokens)}):
+            verdict = await self.verify(VerifyItem(state.request_id, state.token_ids, proposal, state.params,
+                                                   state.seed, trace=telemetry.carrier()))
+        t_verify = time.perf_counter() - t0
+        if proposal.tokens:
+            self.costs.observe(t_draft, len(proposal.tokens), t_verify)
+            self.controller.observe(len(proposal.tokens), verdict.accepted)
+        return verdict, RoundFacts(
+            k=k, drafted=verdict.drafted, accepted=verdict.accepted, emitted=len(verdict.tokens), fallback=fallback,
+            round_s=time.perf_counter() - t_round, draft_s=t_draft, verify_s=t_verify,
+            draft_forward_s=proposal.stats.get("forward_s", 0.0), verify_forward_s=verdict.stats.get("forward_s", 0.0),
+            batch_size=verdict.stats.get("batch_size", 1), ahead_hit=ahead_hit,
+            draft_hidden_s=proposal.stats.get("hidden_s", 0.0))
+
+    async def _draft(self, context: list[int], k: int) -> Proposal:
+        """Ask the draft for k tokens (and its guess of the bonus token, when drafting ahead)."""
+        state = self.state
+        try:
+            with telemetry.span("draft.propose", attributes={"specserve.k": k}):
+                item = ProposeItem(state.request_id, context, k, state.params, state.seed,
+                                   trace=telemetry.carrier(), guess=self.policy.ahead)
+                return await asyncio.wait_for(self.propose(item), self.policy.timeout_s)
+        except asyncio.TimeoutError:
+            raise DraftUnavailable(f"no proposal within {self.policy.timeout_s}s", "deadline") from None
+
+    # -- drafting ahead ----------------------------------------------------------------------
+    def _draft_ahead(self, proposal: Proposal) -> None:
+        """While this round verifies, draft the next one for its likely outcome: all accepted, bonus = guess."""
+        state, emitted = self.state, len(proposal.tokens) + 1
+        if state.room() - emitted <= 0:
+            return  # the request ends with this round
+        # the K the controller will choose if every token is accepted (a copy learns the outcome)
+        likely = copy.deepcopy(self.controller)
+        likely.observe(len(proposal.tokens), len(proposal.tokens))
+        k = within_room(state, likely.choose(*_costs(state, self.costs, self.verify_cost)), emitted)
+        if k <= 0:
+            return
+        context = state.token_ids + proposal.tokens + [proposal.guess]
+        self.ahead = _Ahead(context, k, asyncio.ensure_future(self._draft(context, k)), time.perf_counter())
+
+    def _ahead_matches(self, k: int) -> bool:
+        """Whether the proposal drafted ahead is for this round's context (a hit) or not (a miss).
+
+        On a hit its first min(k, K ahead) tokens are used. A seeded sampled request's K depends on its
+        own history only, so there the two are equal; other requests' output does not depend on K.
+        """
+        a = self.ahead
+        return a is not None and a.context == self.state.token_ids
+
+    async def _await_ahead(self) -> Proposal:
+        a, self.ahead = self.ahead, None
+        waited = time.perf_counter()
+        proposal = await a.task
+        # the part of the draft's round trip that ran while the previous round verified
+        hidden = max(0.0, waited - a.started)
+        return Proposal(proposal.tokens, proposal.q_ids, proposal.q_probs, {**proposal.stats, "hidden_s": hidden},
+                        proposal.guess)
+
+    def _cancel_ahead(self) -> None:
+        if self.ahead is not None:
+            self.ahead.task.cancel()
+            self.ahead.task.add_done_callback(_consume)  # a cancelled or failed miss is not an error
+            self.ahead = None
+
+    def close(self) -> None:
+        """The request ended: drop any proposal still being drafted for it."""
+        self._cancel_ahead()
+
+
+def _consume(task: asyncio.Task) -> None:
+    if not task.cancelled():
+        task.exception()
+
+
 async def run_rounds(
     state: RequestState,
     propose: ProposeFn | None,
@@ -56,50 +205,22 @@ async def run_rounds(
     verify_cost: Callable[[], float] = lambda: 0.0,
     observer: RoundObserver = NoObserver(),
     trace_parent: telemetry.Parent = None,
+    policy: DraftPolicy | None = None,
 ) -> AsyncIterator[list[int]]:
     """Drive rounds until the request stops; yields the tokens each round kept.
 
     Each round is a span (child of `trace_parent`) and is reported to `observer`.
     """
-    while not state.finished:
-        # the span ends before the yield: a span must not stay current while the caller runs
-        with telemetry.span("round", trace_parent) as span:
-            verdict, facts = await _round(state, propose, verify, controller, costs, verify_cost)
-            telemetry.set_attributes(span, telemetry.round_attributes(facts))
-        observer.round(facts)
-        state.stats.record(verdict.drafted, verdict.accepted, len(verdict.tokens), facts.fallback is not None,
-                           facts.batch_size)
-        yield state.append(verdict.tokens)
-
-
-async def _round(state: RequestState, propose: ProposeFn | None, verify: VerifyFn, controller: KController,
-                 costs: CostEstimator, verify_cost: Callable[[], float]) -> tuple[Verdict, RoundFacts]:
-    """One round: choose K, propose (failing open), verify, feed the controller."""
-    t_round = time.perf_counter()
-    wanted = controller.choose(*_costs(state, costs, verify_cost)) if propose else 0
-    k = within_room(state, wanted)
-    proposal, fallback, t_draft = Proposal.empty(), None, 0.0
-    if k > 0:
-        t0 = time.perf_counter()
-        try:
-            with telemetry.span("draft.propose", attributes={"specserve.k": k}):
-                proposal = await propose(ProposeItem(state.request_id, state.token_ids, k, state.params, state.seed,
-                                                     trace=telemetry.carrier()))
-        except DraftUnavailable as e:
-            fallback = e.reason
-        t_draft = time.perf_counter() - t0
-    elif wanted == 0 and propose and state.params.speculation.pinned_k() != 0:
-        fallback = "controller"  # speculation is on, but the controller found it would not pay
-    t0 = time.perf_counter()
-    with telemetry.span("target.verify", attributes={"specserve.k": len(proposal.tokens)}):
-        verdict = await verify(VerifyItem(state.request_id, state.token_ids, proposal, state.params, state.seed,
-                                          trace=telemetry.carrier()))
-    t_verify = time.perf_counter() - t0
-    if proposal.tokens:
-        costs.observe(t_draft, len(proposal.tokens), t_verify)
-        controller.observe(len(proposal.tokens), verdict.accepted)
-    return verdict, RoundFacts(
-        k=k, drafted=verdict.drafted, accepted=verdict.accepted, emitted=len(verdict.tokens), fallback=fallback,
-        round_s=time.perf_counter() - t_round, draft_s=t_draft, verify_s=t_verify,
-        draft_forward_s=proposal.stats.get("forward_s", 0.0), verify_forward_s=verdict.stats.get("forward_s", 0.0),
-        batch_size=verdict.stats.get("batch_size", 1))
+    rounds = Rounds(state, propose, verify, controller, costs, verify_cost, policy)
+    try:
+        while not state.finished:
+            # the span ends before the yield: a span must not stay current while the caller runs
+            with telemetry.span("round", trace_parent) as span:
+                verdict, facts = await rounds.next()
+                telemetry.set_attributes(span, telemetry.round_attributes(facts))
+            observer.round(facts)
+            state.stats.record(verdict.drafted, verdict.accepted, len(verdict.tokens), facts.fallback is not None,
+                               facts.batch_size, facts.ahead_hit)
+            yield state.append(verdict.tokens)
+    finally:
+        rounds.close()

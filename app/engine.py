@@ -5,21 +5,25 @@
 """
 
 import asyncio
+import functools
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
+from typing import Protocol
 
 from pydantic import BaseModel, Field
 
-from app.batching import MicroBatcher
+from app import telemetry
 from app.compat import check_vocabularies
 from app.controller import CostEstimator, KController, KControllerConfig
-from app.driver import run_rounds
+from app.driver import DraftPolicy, run_rounds
+from app.forward_queue import ForwardQueue, in_thread
 from app.errors import InvalidRequestError
 from app.params import SamplingParams, parse_sampling
-from app.request import RequestState
+from app.request import GenerationJob, RequestState
 from app.runner import ModelRunner
 from app.spec import propose, verify
+from app.telemetry import NoObserver, RoundObserver
 
 
 class EngineConfig(BaseModel):
@@ -34,6 +38,7 @@ class EngineConfig(BaseModel):
     draft_top_n: int = Field(32, ge=0, description="Draft distribution truncated to its top-N (exact; 0 = full).")
     max_cache_bytes: int = Field(1 << 30, gt=0, description="KV cache budget of each model, bytes (LRU beyond).")
     trust_remote_code: bool = Field(False, description="Run model code shipped with the weights (off: safer).")
+    draft_ahead: bool = Field(True, description="Draft round n+1 while round n verifies (exact; hides the draft).")
 
 
 @dataclass
@@ -48,18 +53,58 @@ class GenerationResult:
     speculation: dict
 
 
-class Engine:
-    """Serves many requests at once in one process by batching their rounds."""
+class Transport(Protocol):
+    """How the engine reaches a model: submit a round's item, release a finished sequence's cache."""
 
-    def __init__(self, target: ModelRunner, draft: ModelRunner | None = None, *, k_max: int = 8, draft_top_n: int = 32):
-        if draft is not None:
-            check_vocabularies(target.tokenizer, draft.tokenizer)
-        self.target, self.draft = target, draft
-        self.tokenizer = target.tokenizer
-        self.k_max, self.draft_top_n = k_max, draft_top_n
+    async def submit(self, item): ...
+
+    async def run_job(self, job: GenerationJob, observer: RoundObserver = NoObserver(),
+                      trace_parent: telemetry.Parent = None) -> AsyncIterator[dict]:
+        """Run (or resume) a request: a chunk {token_ids, text, controller} per round, then a last chunk
+        with finish_reason, usage and speculation stats. What a TargetServer replica streams."""
+        state = job.state(self.tokenizer, self.max_context)
+        controller = self.controller(state.params).restore(job.controller)
+        async for kept in self.stream(state, controller, observer, trace_parent):
+            delta = state.take_delta()
+            if kept or delta:
+                yield {"token_ids": kept, "text": delta, "controller": controller.snapshot()}
+        prompt, completion = len(job.prompt_ids), len(state.output_ids)
+        yield {"token_ids": [], "text": state.take_delta(), "finish_reason": state.finish_reason,
+               "usage": {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion},
+               "speculation": state.stats.summary()}
+
+    async def release(self, seq_id: str) -> None: ...
+
+
+class Engine:
+    """Serves many requests at once by batching their rounds continuously (app.driver).
+
+    In process both models are local forward queues; a TargetServer replica builds the same engine
+    over its own forward queue and a client of the draft pool (deployments.servers).
+    """
+
+    def __init__(self, target: ModelRunner | Transport, draft: ModelRunner | Transport | None = None, *,
+                 tokenizer=None, vocab_size: int | None = None, max_context: int | None = None,
+                 k_max: int = 8, draft_top_n: int = 32, policy: DraftPolicy | None = None,
+                 verify_cost: Callable[[], float] = lambda: 0.0):
+        # the local runners, when in process (benchmarks read their models); None when remote
+        self.target = target if isinstance(target, ModelRunner) else None
+        self.draft = draft if isinstance(draft, ModelRunner) else None
+        if isinstance(target, ModelRunner):
+            tokenizer, vocab_size, max_context = target.tokenizer, target.vocab_size, target.max_context
+            if isinstance(draft, ModelRunner):
+                check_vocabularies(target.tokenizer, draft.tokenizer)
+            target = ForwardQueue(in_thread(functools.partial(verify, target)), target.release,
+                                  name="TargetServer.verify")
+        if isinstance(draft, ModelRunner):
+            draft = ForwardQueue(in_thread(functools.partial(propose, draft, top_n=draft_top_n)), draft.release,
+                                 name="DraftServer.propose")
+        self.verifier, self.drafter = target, draft
+        self.tokenizer, self.vocab_size, self.max_context = tokenizer, vocab_size, max_context
+        self.k_max = k_max
+        self.policy = policy or DraftPolicy()
+        self.verify_cost = verify_cost
         self.costs = CostEstimator()
-        self._verify = MicroBatcher(lambda items, _: verify(self.target, items))
-        self._propose = MicroBatcher(lambda items, _: propose(self.draft, items, self.draft_top_n)) if draft else None
 
     @classmethod
     def from_config(cls, config: EngineConfig) -> "Engine":
@@ -69,7 +114,8 @@ class Engine:
                                                trust_remote_code=config.trust_remote_code)
         target = load(config.target, config.dtype)
         draft = load(config.draft, config.draft_dtype) if config.draft else None
-        return cls(target, draft, k_max=config.k_max, draft_top_n=config.draft_top_n)
+        return cls(target, draft, k_max=config.k_max, draft_top_n=config.draft_top_n,
+                   policy=DraftPolicy(ahead=config.draft_ahead))
 
     @classmethod
     def from_pretrained(cls, target: str, draft: str | None = None, **kwargs) -> "Engine":
@@ -87,24 +133,47 @@ class Engine:
             ids = self.tokenizer(prompt, add_special_tokens=True)["input_ids"] if prompt else []
         else:
             ids = list(prompt)
-            if any(not isinstance(t, int) or not 0 <= t < self.target.vocab_size for t in ids):
-                raise InvalidRequestError(f"prompt token ids must be in [0, {self.target.vocab_size})", param="prompt")
-        return RequestState(request_id or uuid.uuid4().hex, ids, params, self.tokenizer, self.target.max_context)
+            if any(not isinstance(t, int) or not 0 <= t < self.vocab_size for t in ids):
+                raise InvalidRequestError(f"prompt token ids must be in [0, {self.vocab_size})", param="prompt")
+        return RequestState(request_id or uuid.uuid4().hex, ids, params, self.tokenizer, self.max_context)
 
     def controller(self, params: SamplingParams) -> KController:
-        pinned = params.speculation.pinned_k() if self.draft else 0
+        pinned = params.speculation.pinned_k() if self.drafter else 0
         return KController(KControllerConfig(k_max=self.k_max), pinned_k=pinned)
 
-    async def stream(self, state: RequestState) -> AsyncIterator[list[int]]:
+    async def stream(self, state: RequestState, controller: KController | None = None,
+                     observer: RoundObserver = NoObserver(), trace_parent: telemetry.Parent = None
+                     ) -> AsyncIterator[list[int]]:
         """Run one request's rounds, yielding the tokens each round kept; frees its caches after."""
         try:
-            async for kept in run_rounds(state, self._propose.submit if self._propose else None,
-                                         self._verify.submit, self.controller(state.params), self.costs):
+            async for kept in run_rounds(state, self.drafter.submit if self.drafter else None, self.verifier.submit,
+                                         controller or self.controller(state.params), self.costs, self.verify_cost,
+                                         observer, trace_parent, self.policy):
                 yield kept
         finally:
-            self.target.release(state.request_id)
-            if self.draft:
-                self.draft.release(state.request_id)
+            # shielded: a cancelled request (client gone) must still free its caches
+            await asyncio.shield(asyncio.ensure_future(self.release(state.request_id)))
+
+    async def run_job(self, job: GenerationJob, observer: RoundObserver = NoObserver(),
+                      trace_parent: telemetry.Parent = None) -> AsyncIterator[dict]:
+        """Run (or resume) a request: a chunk {token_ids, text, controller} per round, then a last chunk
+        with finish_reason, usage and speculation stats. What a TargetServer replica streams."""
+        state = job.state(self.tokenizer, self.max_context)
+        controller = self.controller(state.params).restore(job.controller)
+        async for kept in self.stream(state, controller, observer, trace_parent):
+            delta = state.take_delta()
+            if kept or delta:
+                yield {"token_ids": kept, "text": delta, "controller": controller.snapshot()}
+        prompt, completion = len(job.prompt_ids), len(state.output_ids)
+        yield {"token_ids": [], "text": state.take_delta(), "finish_reason": state.finish_reason,
+               "usage": {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion},
+               "speculation": state.stats.summary()}
+
+    async def release(self, seq_id: str) -> None:
+        """Free a request's caches on both models (a release that fails is the remote replica's loss)."""
+        await self.verifier.release(seq_id)
+        if self.drafter:
+            await self.drafter.release(seq_id)
 
     async def generate_async(self, prompt: str | list[int], params: SamplingParams | dict | None = None) -> GenerationResult:
         state = self.new_request(prompt, params)

@@ -8,6 +8,7 @@ Each sequence's KV lives in a buffer with spare capacity (a slab): a round write
 positions into it, and rolling back is forgetting positions, so no round copies a whole cache.
 """
 
+import threading
 from collections import OrderedDict
 from dataclasses import dataclass
 
@@ -46,6 +47,16 @@ class SequenceCache:
     def __len__(self) -> int:
         return len(self.token_ids)
 
+    def copy_prefix(self, length: int) -> "SequenceCache":
+        """A new cache holding a copy of the first `length` positions (a second row of one sequence)."""
+        cap = grown_capacity(length)
+        slabs = []
+        for k, v in self.slabs:
+            k2, v2 = k.new_empty(k.shape[0], cap, k.shape[2]), v.new_empty(v.shape[0], cap, v.shape[2])
+            k2[:, :length], v2[:, :length] = k[:, :length], v[:, :length]
+            slabs.append((k2, v2))
+        return SequenceCache(self.token_ids[:length], slabs)
+
     def reserve(self, length: int) -> None:
         """Make room for `length` positions, keeping the valid ones (amortised: grows by a quarter)."""
         if length <= self.capacity:
@@ -72,6 +83,7 @@ class KVStore:
     """Sequence id -> SequenceCache, least recently used evicted first when over budget.
 
     The budget counts slabs' whole capacity, spare room included: it bounds real memory.
+    Forwards run in a worker thread while releases come from the event loop: a lock guards the map.
     """
 
     def __init__(self, max_bytes: int):
@@ -80,6 +92,7 @@ class KVStore:
         self._sizes: dict[str, int] = {}  # bytes accounted per entry when it was last put
         self.nbytes = 0
         self.evictions = 0
+        self._lock = threading.RLock()
 
     def __contains__(self, seq_id: str) -> bool:
         return seq_id in self._entries
@@ -88,23 +101,26 @@ class KVStore:
         return len(self._entries)
 
     def get(self, seq_id: str) -> SequenceCache | None:
-        entry = self._entries.get(seq_id)
-        if entry is not None:
-            self._entries.move_to_end(seq_id)
-        return entry
+        with self._lock:
+            entry = self._entries.get(seq_id)
+            if entry is not None:
+                self._entries.move_to_end(seq_id)
+            return entry
 
     def put(self, seq_id: str, entry: SequenceCache) -> None:
         """Store (or re-account, after it grew) a sequence's cache, evicting the least recently used."""
-        self.drop(seq_id)
-        self._entries[seq_id] = entry
-        self._sizes[seq_id] = entry.nbytes
-        self.nbytes += entry.nbytes
-        while self.nbytes > self.max_bytes and self._entries:
-            # an evicted sequence is recomputed from its token ids on its next call: slower, never wrong
-            old_id, _ = self._entries.popitem(last=False)
-            self.nbytes -= self._sizes.pop(old_id)
-            self.evictions += 1
+        with self._lock:
+            self.drop(seq_id)
+            self._entries[seq_id] = entry
+            self._sizes[seq_id] = entry.nbytes
+            self.nbytes += entry.nbytes
+            while self.nbytes > self.max_bytes and self._entries:
+                # an evicted sequence is recomputed from its token ids on its next call: slower, never wrong
+                old_id, _ = self._entries.popitem(last=False)
+                self.nbytes -= self._sizes.pop(old_id)
+                self.evictions += 1
 
     def drop(self, seq_id: str) -> None:
-        if self._entries.pop(seq_id, None) is not None:
-            self.nbytes -= self._sizes.pop(seq_id)
+        with self._lock:
+            if self._entries.pop(seq_id, None) is not None:
+                self.nbytes -= self._sizes.pop(seq_id)

@@ -20,9 +20,15 @@ class SpeculationStats:
     emitted_tokens: int = 0
     accepted_per_position: list[int] = field(default_factory=list)
     max_target_batch: int = 0
+    ahead_checked: int = 0  # rounds that found a proposal drafted ahead
+    ahead_hits: int = 0  # ...and could use it
 
-    def record(self, drafted: int, accepted: int, emitted: int, fallback: bool = False, batch_size: int = 1) -> None:
+    def record(self, drafted: int, accepted: int, emitted: int, fallback: bool = False, batch_size: int = 1,
+               ahead_hit: bool | None = None) -> None:
         self.rounds += 1
+        if ahead_hit is not None:
+            self.ahead_checked += 1
+            self.ahead_hits += int(ahead_hit)
         self.max_target_batch = max(self.max_target_batch, batch_size)
         self.drafted_tokens += drafted
         self.accepted_tokens += accepted
@@ -44,13 +50,18 @@ class SpeculationStats:
             "mean_accepted_length": self.emitted_tokens / self.rounds if self.rounds else 0.0,
             "fallback_rounds": self.fallback_rounds,
             "max_target_batch_size": self.max_target_batch,  # the largest verify batch this request rode in
+            # rounds whose proposal was drafted while the previous round verified, of those that tried
+            "draft_ahead_hit_rate": self.ahead_hits / self.ahead_checked if self.ahead_checked else 0.0,
         }
 
 
 class RequestState:
     """Token ids, sampling and stop rules of one request; `append` applies a round's tokens."""
 
-    def __init__(self, request_id: str, prompt_ids: list[int], params: SamplingParams, tokenizer, max_context: int):
+    def __init__(self, request_id: str, prompt_ids: list[int], params: SamplingParams, tokenizer, max_context: int,
+                 *, seed: int | None = None, output_ids: list[int] | None = None, streamed_chars: int = 0):
+        """seed: the request's draw seed (params.seed, else a fresh one); output_ids and streamed_chars:
+        what an earlier replica already streamed, when a request resumes after failover."""
         if not prompt_ids:
             raise InvalidRequestError("prompt is empty: give at least one token", param="prompt")
         if len(prompt_ids) >= max_context:
@@ -61,13 +72,13 @@ class RequestState:
         self.prompt_ids = list(prompt_ids)
         self.params = params
         # every request has a seed so its randomness is addressable; unseeded ones get a fresh one
-        self.seed = params.seed if params.seed is not None else secrets.randbits(62)
+        self.seed = seed if seed is not None else params.seed if params.seed is not None else secrets.randbits(62)
         self.tokenizer = tokenizer
         self.max_context = max_context
-        self.output_ids: list[int] = []
-        self.text = ""
-        self._streamed = 0
-        self.finish_reason: str | None = None
+        self.output_ids: list[int] = list(output_ids or [])
+        self.text = tokenizer.decode(self.output_ids, skip_special_tokens=True) if self.output_ids else ""
+        self._streamed = streamed_chars
+        self.finish_reason: str | None = None if self.room() > 0 else "length"  # resumed at its end
         self.stats = SpeculationStats()
         eos = tokenizer.eos_token_id
         self.eos_ids = set(eos if isinstance(eos, list) else [eos]) - {None}
@@ -139,3 +150,34 @@ class RequestState:
             if self.text[end - j : end] == stop[:j]:
                 return j
         return 0
+
+
+@dataclass
+class GenerationJob:
+    """Everything a replica needs to run a request from its start or to resume it elsewhere.
+
+    The front keeps the job up to date from what was streamed (durable state is what was streamed):
+    after a replica dies, the same job sent to another replica continues identically.
+    """
+
+    request_id: str
+    prompt_ids: list[int]
+    params: dict  # SamplingParams fields
+    seed: int  # the request's draw seed: params' seed, or one chosen once by the front
+    output_ids: list[int] = field(default_factory=list)  # tokens already streamed
+    streamed_chars: int = 0  # characters of text already streamed
+    controller: tuple | None = None  # the K controller's state after the last streamed round
+    trace: dict | None = None  # W3C trace context of the caller's span
+
+    def record(self, chunk: dict) -> None:
+        """Take in a streamed chunk: its tokens, its text and the controller state it carries."""
+        self.output_ids += chunk.get("token_ids", [])
+        self.streamed_chars += len(chunk.get("text", ""))
+        if chunk.get("controller") is not None:
+            self.controller = tuple(chunk["controller"])
+
+    def state(self, tokenizer, max_context: int) -> RequestState:
+        """The request's state on the replica that runs it now."""
+        return RequestState(self.request_id, self.prompt_ids, SamplingParams.model_validate(self.params), tokenizer,
+                            max_context, seed=self.seed, output_ids=self.output_ids,
+                            streamed_chars=self.streamed_chars)

@@ -1,13 +1,17 @@
 """ModelRunner: a Hugging Face causal LM with per-sequence KV caches and ragged batched forwards."""
 
 import os
+import sys
 from dataclasses import dataclass
 
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 from transformers.cache_utils import Cache, DynamicLayer
 
+from app.cpu_linear import pack_linears
 from app.kv import KVStore, SequenceCache, common_prefix, grown_capacity
+from app.ragged import LAYOUT, Layout, Span, supports_ragged
+from app.ragged import NAME as RAGGED
 
 DTYPES = {"auto": "auto", "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -37,7 +41,7 @@ class SeqInput:
 class ModelRunner:
     """Runs one model over many sequences at once, reusing each sequence's cached prefix."""
 
-    def __init__(self, model: PreTrainedModel, tokenizer, *, max_cache_bytes: int = 1 << 30):
+    def __init__(self, model: PreTrainedModel, tokenizer, *, max_cache_bytes: int = 1 << 30, pack: bool = False):
         self.model = model
         self.tokenizer = tokenizer
         self.device = next(model.parameters()).device
@@ -45,12 +49,22 @@ class ModelRunner:
         self.vocab_size = min(len(tokenizer), model.get_output_embeddings().weight.shape[0])
         self.max_context = getattr(model.config, "max_position_embeddings", None) or 1 << 30
         self.cache = KVStore(max_cache_bytes)
+        # CPU serving: linears on oneDNN-prepacked weights (app/cpu_linear.py); same maths, 2-3x faster
+        self.packed_linears = pack_linears(model) if pack and self.device.type == "cpu" else 0
+        # models whose forward takes a per-row mask of the positions to project (transformers'
+        # slice_logits_to_keep) run the LM head only where a logit is needed, not over every position
+        self.ragged_logits = hasattr(sys.modules.get(type(model).__module__), "slice_logits_to_keep")
+        # sequences packed end to end, attention per sequence over its own slab (app/ragged.py); models
+        # whose attention that cannot reproduce exactly (sliding windows, soft-capping) use padded batches
+        self.ragged = supports_ragged(model)
+        if self.ragged:
+            model.config._attn_implementation = RAGGED
 
     @classmethod
     def from_pretrained(cls, name_or_path: str, *, dtype: str = "float32", device: str = "cpu",
                         max_cache_bytes: int = 1 << 30, trust_remote_code: bool = False) -> "ModelRunner":
         model, tokenizer = load_model(name_or_path, dtype=dtype, device=device, trust_remote_code=trust_remote_code)
-        return cls(model, tokenizer, max_cache_bytes=max_cache_bytes)
+        return cls(model, tokenizer, max_cache_bytes=max_cache_bytes, pack=True)
 
     @torch.inference_mode()
     def forward(self, seqs: list[SeqInput]) -> list[torch.Tensor]:
@@ -61,13 +75,85 @@ class ModelRunner:
         return logits
 
     @torch.inference_mode()
-    def open(self, seqs: list[SeqInput]) -> "Batch":
+    def open(self, seqs: list[SeqInput]) -> "RaggedBatch | Batch":
         """Start a batch: prefill what each sequence lacks; extend() decodes further, close() stores KV."""
-        return Batch(self, seqs)
+        return RaggedBatch(self, seqs) if self.ragged else Batch(self, seqs)
 
     def release(self, seq_id: str) -> None:
         """Free a finished or cancelled sequence's cache."""
         self.cache.drop(seq_id)
+
+
+class RaggedBatch:
+    """A batch in flight as one packed row (app/ragged.py): no padding, no gather, no write-back.
+
+    Each sequence computes in its own cache slab; positions it no longer needs are forgotten at
+    close(). A second row of the same sequence in one batch (its proposal and one drafted ahead)
+    computes in a copy of the shared prefix.
+    """
+
+    def __init__(self, runner: ModelRunner, seqs: list[SeqInput]):
+        self.runner = runner
+        self.seq_ids = [s.seq_id for s in seqs]
+        self.token_ids = [list(s.token_ids) for s in seqs]
+        self.entries: list[SequenceCache] = []
+        spans, ids, offset, used = [], [], 0, set()
+        for s in seqs:
+            if not 1 <= s.num_logits <= len(s.token_ids):
+                raise ValueError(f"num_logits must be in [1, {len(s.token_ids)}], got {s.num_logits}")
+            entry = runner.cache.get(s.seq_id)
+            reuse = common_prefix(entry.token_ids, s.token_ids) if entry else 0
+            reuse = min(reuse, len(s.token_ids) - s.num_logits)
+            if entry is None:
+                entry = SequenceCache([], [])
+            elif s.seq_id in used:
+                entry = entry.copy_prefix(reuse)
+            entry.token_ids = entry.token_ids[:reuse]  # forgotten now: a failed forward leaves it valid
+            used.add(s.seq_id)
+            n = len(s.token_ids) - reuse
+            spans.append(Span(entry, reuse, n, offset))
+            ids += s.token_ids[reuse:]
+            offset += n
+            self.entries.append(entry)
+        self.lengths = [s.start + s.length for s in spans]  # positions each slab holds after this forward
+        self.recomputed = offset
+        keep = [sp.offset + sp.length - s.num_logits + j for sp, s in zip(spans, seqs) for j in range(s.num_logits)]
+        out = self._run(ids, [p for sp in spans for p in range(sp.start, sp.start + sp.length)], Layout(spans), keep)
+        self.logits = list(out.split([s.num_logits for s in seqs]))
+
+    def _run(self, ids: list[int], positions: list[int], layout: Layout, keep: list[int]) -> torch.Tensor:
+        """One forward of the packed row; returns the logits at `keep` (flat indices), [len(keep), V] float32."""
+        device, runner = self.runner.device, self.runner
+        index = torch.tensor(keep, device=device)
+        extra = {"logits_to_keep": index} if runner.ragged_logits else {}
+        out = runner.model(
+            input_ids=torch.tensor([ids], device=device), position_ids=torch.tensor([positions], device=device),
+            past_key_values=layout, attention_mask=torch.empty(1, 1, 0, 0, dtype=torch.bool, device=device),
+            use_cache=True, **{LAYOUT: layout}, **extra,
+        ).logits[0]
+        return (out if runner.ragged_logits else out[index])[:, : runner.vocab_size].float()
+
+    @torch.inference_mode()
+    def extend(self, tokens: list[int]) -> torch.Tensor:
+        """Feed one more token per row; returns next-token logits [B, V] float32."""
+        spans = [Span(e, n, 1, i) for i, (e, n) in enumerate(zip(self.entries, self.lengths))]
+        for ids, t in zip(self.token_ids, tokens):
+            ids.append(t)
+        out = self._run(tokens, self.lengths, Layout(spans), list(range(len(tokens))))
+        self.lengths = [n + 1 for n in self.lengths]
+        return out
+
+    @torch.inference_mode()
+    def close(self, keep: list[int]) -> None:
+        """Store each row's first keep[i] positions as its cache (later positions are rolled back)."""
+        store = self.runner.cache
+        for seq_id, ids, entry, n, length in zip(self.seq_ids, self.token_ids, self.entries, keep, self.lengths):
+            n = min(n, length)
+            if n <= 0:
+                store.drop(seq_id)
+                continue
+            entry.token_ids = ids[:n]
+            store.put(seq_id, entry)
 
 
 ROOM = 8  # spare positions a batch buffer gets beyond its prefill: the draft's extend() steps fill them
@@ -161,9 +247,19 @@ class Batch:
         self.mask = mask.to(device)
         self.lengths = [r + len(n) for r, n in zip(reuse, new)]
         self.recomputed = sum(len(n) for n in new)
-        out = self._run(input_ids.to(device), positions.to(device), torch.arange(past, past + width, device=device))
         v = runner.vocab_size
-        self.logits = [out[i, len(n) - s.num_logits : len(n), :v].float() for i, (n, s) in enumerate(zip(new, seqs))]
+        keep = None
+        if runner.ragged_logits:  # [B, W] True where a row needs a logit: its last num_logits new positions
+            keep = torch.zeros(b, width, dtype=torch.bool)
+            for i, (n, s) in enumerate(zip(new, seqs)):
+                keep[i, len(n) - s.num_logits : len(n)] = True
+            keep = keep.to(device)
+        out = self._run(input_ids.to(device), positions.to(device), torch.arange(past, past + width, device=device),
+                        keep)
+        if keep is not None:  # out: [sum(num_logits), V], row-major
+            self.logits = list(out[:, :v].float().split([s.num_logits for s in seqs]))
+        else:
+            self.logits = [out[i, len(n) - s.num_logits : len(n), :v].float() for i, (n, s) in enumerate(zip(new, seqs))]
 
     def _gather(self, entries, reuse: list[int], past: int, width: int) -> list[_SlabLayer]:
         """Per layer a buffer [B, H, past + width + ROOM, D] with each reused prefix left-padded to `past`."""
@@ -186,10 +282,11 @@ class Batch:
             layers.append(_SlabLayer(keys, values, past))
         return layers
 
-    def _run(self, input_ids, positions, cache_position) -> torch.Tensor:
+    def _run(self, input_ids, positions, cache_position, keep: torch.Tensor | None = None) -> torch.Tensor:
+        extra = {} if keep is None else {"logits_to_keep": keep}
         out = self.runner.model(
             input_ids=input_ids, attention_mask=None if self.aligned else self.mask, position_ids=positions,
-            past_key_values=self.cache, cache_position=cache_position, use_cache=True,
+            past_key_values=self.cache, cache_position=cache_position, use_cache=True, **extra,
         )
         return out.logits
 
@@ -213,6 +310,7 @@ class Batch:
         store = self.runner.cache
         buffers = [layer.buffers for layer in self.cache.layers]
         extended = self.mask.shape[1] - self.past - self.width  # extend() steps taken
+        stored = set()  # a sequence may fill two rows (a proposal and one drafted ahead): one slab each
         for i, (seq_id, ids, n) in enumerate(zip(self.seq_ids, self.token_ids, keep)):
             n = min(n, self.lengths[i])
             if n <= 0:
@@ -223,7 +321,7 @@ class Batch:
                 continue
             r, w = self.reuse[i], self.new_lengths[i]
             entry = self.entries[i]
-            if entry is None or store.get(seq_id) is not entry or r == 0:
+            if entry is None or store.get(seq_id) is not entry or r == 0 or seq_id in stored:
                 # no slab to extend (new, evicted or released meanwhile): a fresh one, prefix included
                 entry = self._fresh_entry(buffers, n)
                 segments = [(0, self.past - r, min(n, r))] if r else []
@@ -240,6 +338,7 @@ class Batch:
                         vs[:, pos : pos + count] = v[i, :, col : col + count]
             entry.token_ids = ids[:n]
             store.put(seq_id, entry)
+            stored.add(seq_id)
 
     @staticmethod
     def _fresh_entry(buffers, n: int) -> SequenceCache:

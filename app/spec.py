@@ -10,7 +10,7 @@ import torch
 
 from app.params import SamplingParams
 from app.runner import ModelRunner, SeqInput
-from app.sampling import DRAFT, process_logits, rejection_sample, sample, uniform
+from app.sampling import DRAFT, EMIT, process_logits, rejection_sample, sample, uniform
 
 
 @dataclass
@@ -23,6 +23,7 @@ class ProposeItem:
     sampling: SamplingParams
     seed: int
     trace: dict | None = None  # W3C trace context of the caller's span, when tracing
+    guess: bool = False  # also draft token k+1: the draft's guess of the target's bonus token
 
 
 @dataclass
@@ -33,6 +34,13 @@ class Proposal:
     q_ids: torch.Tensor  # [k, M] int64
     q_probs: torch.Tensor  # [k, M] float32, rows sum to 1
     stats: dict = field(default_factory=dict)  # filled by the serving replica (batch size, forward time)
+    guess: int | None = None  # draft token k+1 when asked for: what the target's bonus token will likely be
+
+    def head(self, k: int) -> "Proposal":
+        """The first k tokens: exactly what drafting k tokens would have produced (drafting is sequential)."""
+        if k >= len(self.tokens):
+            return self
+        return Proposal(self.tokens[:k], self.q_ids[:k], self.q_probs[:k], self.stats)
 
     @classmethod
     def empty(cls) -> "Proposal":
@@ -89,6 +97,17 @@ def _draft_step(logits: torch.Tensor, items: list[ProposeItem], positions: torch
     return tokens, q_ids, q_probs
 
 
+def _guess(logits: torch.Tensor, items: list[ProposeItem], positions: torch.Tensor) -> torch.Tensor:
+    """The draft's guess of the target's bonus token at `positions` [B]: drawn with the very uniform the
+    target's bonus draw will use, over the full processed draft distribution in the same token order,
+    so where q is close to p the two draws agree (a coupling). Not part of the proposal: only which
+    context is drafted ahead depends on it, never a token."""
+    if all(it.sampling.greedy for it in items):
+        return logits.argmax(-1)
+    q = process_logits(logits, *_sampling_tensors([it.sampling for it in items]))
+    return sample(q, uniform(torch.tensor([it.seed for it in items]), positions, EMIT))
+
+
 def propose(runner: ModelRunner, items: list[ProposeItem], top_n: int = 32) -> list[Proposal]:
     """Draft up to k tokens for every item in one batch: one forward per draft step."""
     live = [i for i, it in enumerate(items) if it.k > 0]
@@ -99,18 +118,23 @@ def propose(runner: ModelRunner, items: list[ProposeItem], top_n: int = 32) -> l
     batch = runner.open([SeqInput(it.seq_id, it.token_ids, 1) for it in batch_items])
     logits = torch.stack([lg[-1] for lg in batch.logits])
     positions = torch.tensor([len(it.token_ids) for it in batch_items])
-    steps = max(it.k for it in batch_items)
+    drafted = [it.k + it.guess for it in batch_items]  # the guess is one more draft step
+    steps = max(drafted)
     tokens, ids, probs = [], [], []
+    guess_step = torch.tensor([it.k if it.guess else -1 for it in batch_items])
     for step in range(steps):
         t, qi, qp = _draft_step(logits, batch_items, positions + step, top_n)
+        if bool((guess_step == step).any()):
+            t = torch.where(guess_step == step, _guess(logits, batch_items, positions + step), t)
         tokens.append(t), ids.append(qi), probs.append(qp)
         if step + 1 < steps:
             logits = batch.extend(t.tolist())
-    batch.close([len(it.token_ids) + it.k - 1 for it in batch_items])
+    batch.close([len(it.token_ids) + n - 1 for it, n in zip(batch_items, drafted)])
     tokens, ids, probs = torch.stack(tokens, 1), torch.stack(ids, 1), torch.stack(probs, 1)  # [B, steps, ...]
     for row, i in enumerate(live):
         k = items[i].k
-        out[i] = Proposal(tokens[row, :k].tolist(), ids[row, :k], probs[row, :k])
+        row_tokens = tokens[row, : drafted[row]].tolist()
+        out[i] = Proposal(row_tokens[:k], ids[row, :k], probs[row, :k], guess=row_tokens[k] if items[i].guess else None)
     return out
 
 

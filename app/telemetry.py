@@ -39,6 +39,8 @@ class RoundFacts:
     draft_forward_s: float  # the draft replica's batch forward within draft_s
     verify_forward_s: float  # the target replica's batch forward within verify_s
     batch_size: int  # verify batch this round rode in
+    ahead_hit: bool | None = None  # a proposal drafted ahead was used (True), discarded (False); None: none
+    draft_hidden_s: float = 0.0  # of the proposal's round trip, the part that ran while the last round verified
 
 
 class RoundObserver(Protocol):

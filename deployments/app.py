@@ -1,4 +1,4 @@
-"""build_app: the Serve application (Ingress -> Router -> DraftServer / TargetServer) from typed args.
+"""build_app: the Serve application (Ingress -> Router -> TargetServer -> DraftServer) from typed args.
 
 Deployment options here are defaults; the Serve config's `deployments:` entries override them
 (replicas, autoscaling_config, ray_actor_options, max_ongoing_requests, health checks).
@@ -60,14 +60,14 @@ def build_app(args: dict) -> Application:
             DraftServer, name="DraftServer", max_ongoing_requests=64, ray_actor_options={"num_cpus": 0.25},
             request_router_config=affinity, health_check_period_s=5, health_check_timeout_s=30,
         ).bind(cfg.draft, draft_path, cfg.draft_batch, cfg.speculation.draft_top_n)
+    # one call per request: Serve's default router places it on the least loaded replica
     target = serve.deployment(
         TargetServer, name="TargetServer", max_ongoing_requests=128, ray_actor_options={"num_cpus": 0.25},
-        request_router_config=affinity, health_check_period_s=5, health_check_timeout_s=30,
-        **tensor_parallel_options(cfg),
-    ).bind(cfg.target, target_path, cfg.target_batch)
+        health_check_period_s=5, health_check_timeout_s=30, **tensor_parallel_options(cfg),
+    ).bind(cfg.target, target_path, cfg.target_batch, draft, cfg.speculation, max_context)
     router = serve.deployment(
         Router, name="Router", max_ongoing_requests=256, ray_actor_options={"num_cpus": 0.1},
-    ).bind(draft, target, cfg, target_path, max_context)
+    ).bind(target, cfg)
     ingress = serve.deployment(
         Ingress, name="Ingress", max_ongoing_requests=1024, ray_actor_options={"num_cpus": 0.1},
     ).bind(router, cfg, target_path, name, max_context)

@@ -45,19 +45,19 @@ class SpeculationConfig(BaseModel):
     draft_top_n: int = Field(32, ge=0, description="Draft distribution truncated to its top-N (exact; 0 = full).")
     draft_timeout_s: float = Field(2.0, gt=0, description="A propose slower than this falls back to a target step.")
     draft_retry_after_s: float = Field(5.0, gt=0, description="After a draft failure, plain target steps this long.")
+    draft_ahead: bool = Field(
+        True, description="While a round verifies, draft the next one for the likely outcome (all accepted, bonus = "
+        "the draft's guess); exact, it only hides the draft's time. Costs one more draft step per round.")
     verify_saturation_tokens: int = Field(
         64, gt=0, description="Tokens per target batch beyond which verifying more costs time (load-aware K).")
 
 
 class BatchConfig(BaseModel):
-    """@serve.batch settings of one server."""
+    """The forward queue of one server: one forward at a time over every round waiting, never a timer."""
 
     model_config = ConfigDict(extra="forbid")
 
-    max_batch_size: int = Field(16, ge=1, description="Most calls fused into one forward.")
-    batch_wait_timeout_s: float = Field(
-        0.0, ge=0, description="How long a batch waits to fill; 0 = go at once (calls that arrive during a "
-        "forward still fuse into the next one).")
+    max_batch_size: int = Field(16, ge=1, description="Most sequences' rounds in one forward; the rest wait their turn.")
 
 
 class LimitsConfig(BaseModel):
@@ -70,7 +70,7 @@ class LimitsConfig(BaseModel):
     request_timeout_s: float = Field(300.0, gt=0, description="A request past this ends with 408.")
     max_body_bytes: int = Field(1 << 20, gt=0, description="Larger request bodies get 413.")
     target_retries: int = Field(
-        8, ge=0, description="Retries of a verify whose replica died (backoff 0.5 s doubling to 5 s: ~30 s in all).")
+        8, ge=0, description="Resumptions of a request whose target replica died (backoff 0.5 s doubling to 5 s).")
 
 
 class AppConfig(BaseModel):

@@ -5,8 +5,6 @@ Ray prefixes every name with `ray_`, counters end in `_total` and histograms exp
 ever names a request: cardinality stays bounded by replicas, K positions and fallback reasons.
 """
 
-import time
-
 from ray.serve.metrics import Counter, Gauge, Histogram
 
 from app.telemetry import RoundFacts
@@ -21,8 +19,8 @@ def _name(short: str) -> str:
     return f"specserve_{short}"
 
 
-class RouterMetrics:
-    """Per-round counters and latencies, and requests in flight, of one Router replica."""
+class RoundMetrics:
+    """Per-round counters and latencies of one TargetServer replica (where rounds run)."""
 
     def __init__(self):
         c = lambda n, d, tags=(): Counter(_name(n), d, tag_keys=tags)  # noqa: E731
@@ -35,39 +33,31 @@ class RouterMetrics:
         self.emitted = c("spec_decode_num_emitted_tokens", "Tokens produced by rounds (accepted + recovered/bonus).")
         self.rounds = c("rounds", "Rounds: one target verification each.")
         self.fallback_rounds = c("fallback_rounds", "Rounds run as plain target steps, by reason.", ("reason",))
-        self.target_retries = c("target_retries", "Verify calls sent again after a target replica failed.")
-        self.round_latency = h("round_latency_seconds", "One round: propose + verify, as the router sees it.",
+        self.ahead = c("draft_ahead_rounds", "Rounds that found a proposal drafted ahead, by outcome (hit, miss).",
+                       ("outcome",))
+        self.hidden = h("draft_hidden_seconds", "Draft round trip hidden behind the previous verify, per hit.",
+                        LATENCY_S)
+        self.round_latency = h("round_latency_seconds", "One round: propose + verify, as the target replica sees it.",
                                LATENCY_S)
-        self.propose_latency = h("draft_propose_latency_seconds", "Draft propose round trip from the router.",
-                                 LATENCY_S)
-        self.verify_latency = h("target_verify_latency_seconds", "Target verify round trip from the router.",
-                                LATENCY_S)
+        self.propose_latency = h("draft_propose_latency_seconds",
+                                 "Waiting for the draft's proposal in a round (near 0 when drafted ahead).", LATENCY_S)
+        self.verify_latency = h("target_verify_latency_seconds", "A round's verify, queueing included.", LATENCY_S)
         self.queue = h("batch_queue_seconds",
-                       "Round trip minus the replica's batch forward: waiting for a batch + the handle hop.",
+                       "Round trip minus the batch forward: waiting for the model (and the hop to the draft pool).",
                        LATENCY_S, ("server",))
         self.k_chosen = h("k_chosen", "K of each round (0 = plain target step).", K)
         self.accepted_length = h("accepted_length", "Tokens emitted per round (tau; 1 = no gain).", K)
-        self.ttft = h("ttft_seconds", "Time to the first token, from the router's start of the request.", TTFT_S)
-        self.tpot = h("tpot_seconds", "Mean time per output token after the first, per request.", LATENCY_S)
-        self.active = Gauge(_name("active_requests"), "Requests in flight in this router.")
-        self.active.set(0)
 
     def request(self) -> "RequestMetrics":
         """The round observer of one request."""
         return RequestMetrics(self)
 
-    def retry(self) -> None:
-        self.target_retries.inc()
-
-    def set_active(self, n: int) -> None:
-        self.active.set(n)
-
 
 class RequestMetrics:
-    """Sees one request's rounds (app.telemetry.RoundObserver); records TTFT and TPOT."""
+    """Sees one request's rounds (app.telemetry.RoundObserver)."""
 
-    def __init__(self, m: RouterMetrics):
-        self.m, self.start, self.first, self.tokens = m, time.perf_counter(), None, 0
+    def __init__(self, m: RoundMetrics):
+        self.m = m
 
     def round(self, f: RoundFacts) -> None:
         m = self.m
@@ -83,29 +73,44 @@ class RequestMetrics:
             m.drafts.inc()
             m.draft_tokens.inc(f.drafted)
             m.propose_latency.observe(f.draft_s)
-            m.queue.observe(max(0.0, f.draft_s - f.draft_forward_s), {"server": "draft"})
+            if not f.ahead_hit:
+                m.queue.observe(max(0.0, f.draft_s - f.draft_forward_s), {"server": "draft"})
+        if f.ahead_hit is not None:
+            m.ahead.inc(1, {"outcome": "hit" if f.ahead_hit else "miss"})
+            if f.ahead_hit:
+                m.hidden.observe(f.draft_hidden_s)
         if f.accepted:
             m.accepted.inc(f.accepted)
         for j in range(f.accepted):
             m.accepted_per_pos.inc(1, {"position": str(j)})
         if f.fallback:
             m.fallback_rounds.inc(1, {"reason": f.fallback})
-        if f.emitted and self.first is None:
-            self.first = time.perf_counter()
-            m.ttft.observe(self.first - self.start)
-        self.tokens += f.emitted
 
-    def finish(self) -> None:
-        """At the end of the request: its mean time per output token."""
-        if self.first is not None and self.tokens > 1:
-            self.m.tpot.observe((time.perf_counter() - self.first) / (self.tokens - 1))
+
+class RouterMetrics:
+    """Requests in flight, failovers and per-request latencies of one Router replica."""
+
+    def __init__(self):
+        self.target_retries = Counter(_name("target_retries"), "Requests resumed on another target replica.")
+        self.ttft = Histogram(_name("ttft_seconds"), "Time to the first token, from the router's start of the request.",
+                              boundaries=TTFT_S)
+        self.tpot = Histogram(_name("tpot_seconds"), "Mean time per output token after the first, per request.",
+                              boundaries=LATENCY_S)
+        self.active = Gauge(_name("active_requests"), "Requests in flight in this router.")
+        self.active.set(0)
+
+    def retry(self) -> None:
+        self.target_retries.inc()
+
+    def set_active(self, n: int) -> None:
+        self.active.set(n)
 
 
 class ServerMetrics:
     """Batch sizes and KV cache occupancy of one DraftServer or TargetServer replica."""
 
     def __init__(self):
-        self.batch_size = Histogram(_name("batch_size"), "Calls fused into one forward by @serve.batch.",
+        self.batch_size = Histogram(_name("batch_size"), "Items (rounds of sequences) in one forward.",
                                     boundaries=BATCH)
         self.kv_bytes = Gauge(_name("kv_cache_bytes"), "KV cache bytes held by this replica.")
         self.kv_sequences = Gauge(_name("kv_cache_sequences"), "Sequences with a KV cache on this replica.")

@@ -1,32 +1,47 @@
-"""DraftServer and TargetServer: a ModelRunner each, calls fused into one forward by @serve.batch.
+"""DraftServer and TargetServer: a model each behind its forward queue, the one batching layer.
 
+A TargetServer replica runs the rounds of every request placed on it (the engine of app/, with the
+draft pool as a remote transport) and streams each round's kept tokens back; a DraftServer
+replica answers proposals for many sequences of many target replicas at once.
 The classes carry no @serve.deployment: build_app applies it with options from the config.
 """
 
 import asyncio
-import collections
-import contextlib
-import time
+import functools
+from collections.abc import AsyncIterator
 
 import ray
 import torch
 from ray import serve
 
 from app import telemetry
-from app.batching import MicroBatcher
-from app.runner import ModelRunner
-from app.spec import Proposal, ProposeItem, Verdict, VerifyItem, propose, verify
+from app.driver import DraftPolicy
+from app.engine import Engine
+from app.forward_queue import ForwardQueue, in_thread
+from app.request import GenerationJob
+from app.runner import ModelRunner, SeqInput
+from app.spec import Proposal, propose, verify
 from deployments.affinity import Calls
-from deployments.config import BatchConfig, ModelConfig, TargetConfig
-from deployments.metrics import ServerMetrics
+from deployments.config import BatchConfig, ModelConfig, SpeculationConfig, TargetConfig
+from deployments.draft_client import DraftClient
+from deployments.metrics import RoundMetrics, ServerMetrics
 from deployments.tp import RankGroup, set_torch_threads
 
 
 def load_runner(cfg: ModelConfig, path: str) -> ModelRunner:
     set_torch_threads(cfg)
     device = cfg.device if cfg.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
-    return ModelRunner.from_pretrained(path, dtype=cfg.dtype, device=device, max_cache_bytes=cfg.max_cache_bytes,
-                                       trust_remote_code=cfg.trust_remote_code)
+    runner = ModelRunner.from_pretrained(path, dtype=cfg.dtype, device=device, max_cache_bytes=cfg.max_cache_bytes,
+                                         trust_remote_code=cfg.trust_remote_code)
+    warm_up(runner)
+    return runner
+
+
+def warm_up(runner: ModelRunner) -> None:
+    """One tiny forward at load, so the first request does not pay for torch's lazy set-up (and its
+    timing does not mislead the cost estimate that chooses K)."""
+    runner.forward([SeqInput("specserve-warm-up", [0, 1, 2, 3], 1)])
+    runner.release("specserve-warm-up")
 
 
 def _replica_id() -> str:
@@ -36,79 +51,38 @@ def _replica_id() -> str:
         return "local"
 
 
+def _start(coro):
+    """Run a coroutine on the replica's event loop (Serve runs constructors on it); close it elsewhere."""
+    try:
+        return asyncio.get_running_loop().create_task(coro)
+    except RuntimeError:  # no loop: built outside Serve
+        coro.close()
+        return None
+
+
 class _Server:
-    """What both servers share: the runner, batching settings, cache release and stats."""
+    """What both servers share: a forward queue over the model, cache stats, health."""
 
-    def __init__(self, cfg: ModelConfig, path: str, batch: BatchConfig, method):
+    def __init__(self):
         self.replica_id = _replica_id()
-        self.runner = self._load(cfg, path)
         self.metrics = ServerMetrics()
-        self.served = 0  # propose/verify items answered: lets tests see that a refused request reached no model
-        # ids of ended requests (never reused): a batch still computing one (a cancelled request's last
-        # call, queued or in flight) would store its cache again after the release, so it drops it
-        self._released: collections.OrderedDict[str, None] = collections.OrderedDict()
         telemetry.configure_tracing(type(self).__name__)
-        method.set_max_batch_size(batch.max_batch_size)
-        method.set_batch_wait_timeout_s(batch.batch_wait_timeout_s)
-        # @serve.batch fuses the calls that arrive together, but it forms its next batch at once, not
-        # when the model is free: under load its batches queue one behind another, a call or two each.
-        # So every batch joins the forward queue, which runs one forward at a time over everything
-        # waiting: batches grow with the load (the Serve benchmark's `Bmax` column shows them).
-        self._forwards = MicroBatcher(lambda items, _: self._forward(items), batch.max_batch_size, serial=True)
 
-    def _load(self, cfg: ModelConfig, path: str):
-        return load_runner(cfg, path)
+    def _queue(self, forward, release, batch: BatchConfig, name: str) -> ForwardQueue:
+        def on_batch(size: int) -> None:
+            self.metrics.batch(size, self.cache)
+        return ForwardQueue(forward, release, name=name, max_items=batch.max_batch_size,
+                            extra_stats={"replica": self.replica_id}, on_batch=on_batch)
 
     @property
     def cache(self):
         """The KV store (or a tensor-parallel group's snapshot of rank 0's) for stats and metrics."""
         return self.runner.cache
 
-    @contextlib.asynccontextmanager
-    async def _observed(self, name: str, items: list):
-        """Spans (one per traced item) and metrics around a batch; yields the stats each answer carries."""
-        stats = {"batch_size": len(items), "replica": self.replica_id}
-        attrs = {"specserve.batch_size": len(items), "specserve.replica": self.replica_id}
-        t0 = time.perf_counter()
-        try:
-            with telemetry.batch_spans(name, [it.trace for it in items], attrs):
-                yield stats
-        finally:
-            for seq_id in {it.seq_id for it in items} & self._released.keys():
-                await self._drop(seq_id)
-        stats["forward_s"] = time.perf_counter() - t0
-        self.served += len(items)
-        self.metrics.batch(len(items), self.cache)
-
-    async def release(self, seq_ids: Calls) -> None:
-        """Free finished or cancelled requests' caches (and again after a batch still computing them)."""
-        for seq_id in seq_ids.items:
-            self._released[seq_id] = None
-            if len(self._released) > 4096:
-                self._released.popitem(last=False)
-            await self._drop(seq_id)
-
-    async def _queue(self, items: list) -> list:
-        """Hand a Serve batch to the forward queue; its items may share a forward with other batches."""
-        return list(await asyncio.gather(*(self._forwards.submit(item) for item in items)))
-
-    async def _forward(self, items: list) -> list:
-        """One forward over a batch (in a thread, so the replica keeps taking calls meanwhile)."""
-        async with self._observed(self.span_name, items) as stats:
-            results = await self._compute(items)
-        for r in results:
-            r.stats.update(stats)
-        return results
-
-    @staticmethod
-    async def _each(method, calls: Calls) -> list:
-        """A router's coalesced call: every item joins this replica's batch queue (with other routers'
-        items) at once; an item that fails fails alone."""
-        return await asyncio.gather(*(method(item) for item in calls.items), return_exceptions=True)
-
-    async def _drop(self, seq_id: str) -> None:
-        self.runner.release(seq_id)
-        self.metrics.cache(self.cache)
+    @property
+    def served(self) -> int:
+        """Items answered: lets tests see that a refused request reached no model."""
+        return self.queue.served
 
     async def stats(self) -> dict:
         """KV cache occupancy of this replica."""
@@ -118,56 +92,104 @@ class _Server:
                 "served": self.served}
 
     async def check_health(self) -> None:
-        """Serve's health check: the runner must be usable."""
-        if self.runner.model is None:
+        """Serve's health check: the model must be loaded."""
+        if self.runner is None or self.runner.model is None:
             raise RuntimeError("model not loaded")
+
+    async def _release(self, seq_id: str) -> None:
+        self.runner.release(seq_id)
+        self.metrics.cache(self.cache)
 
 
 class DraftServer(_Server):
-    """Proposes K tokens per sequence for many sequences in one batch."""
-
-    span_name = "DraftServer.propose"
+    """Proposes K tokens per sequence for many sequences (of many target replicas) in one batch."""
 
     def __init__(self, cfg: ModelConfig, path: str, batch: BatchConfig, top_n: int):
-        super().__init__(cfg, path, batch, self.propose)
-        self.top_n = top_n
+        super().__init__()
+        self.runner = load_runner(cfg, path)
+        self.queue = self._queue(in_thread(functools.partial(propose, self.runner, top_n=top_n)), self._release,
+                                 batch, "DraftServer.propose")
 
     async def propose_many(self, calls: Calls) -> list[Proposal | BaseException]:
-        return await self._each(self.propose, calls)
+        """A target replica's proposals of one step: each joins the forward queue; one that fails fails alone."""
+        return await asyncio.gather(*(self.queue.submit(item) for item in calls.items), return_exceptions=True)
 
-    @serve.batch(max_batch_size=16, batch_wait_timeout_s=0.002, max_concurrent_batches=4)
-    async def propose(self, items: list[ProposeItem]) -> list[Proposal]:
-        return await self._queue(items)
-
-    async def _compute(self, items: list[ProposeItem]) -> list[Proposal]:
-        return await asyncio.to_thread(propose, self.runner, items, self.top_n)
+    async def release(self, seq_ids: Calls) -> None:
+        """Free finished or cancelled sequences' caches (and again after a forward still computing them)."""
+        for seq_id in seq_ids.items:
+            await self.queue.release(seq_id)
 
 
 class TargetServer(_Server):
-    """Verifies many sequences' proposals in one target forward; tensor-parallel over rank workers when N > 1."""
+    """Runs the rounds of every request placed on it: one forward per step over all its sequences.
 
-    span_name = "TargetServer.verify"
+    Tensor-parallel over rank workers when tensor_parallel_size > 1 (rank 0 answers).
+    """
 
-    def __init__(self, cfg: TargetConfig, path: str, batch: BatchConfig):
+    def __init__(self, cfg: TargetConfig, path: str, batch: BatchConfig, draft, speculation: SpeculationConfig,
+                 max_context: int):
+        super().__init__()
         self.ranks: RankGroup | None = None
-        super().__init__(cfg, path, batch, self.verify)
-
-    def _load(self, cfg: TargetConfig, path: str):
         if cfg.tensor_parallel_size == 1:
-            return load_runner(cfg, path)
-        self.ranks = RankGroup(cfg, path, self.replica_id)
-        return None
+            self.runner = load_runner(cfg, path)
+            tokenizer, vocab = self.runner.tokenizer, self.runner.vocab_size
+            forward, release = in_thread(functools.partial(verify, self.runner)), self._release
+        else:
+            from transformers import AutoTokenizer
+
+            self.runner = None
+            self.ranks = RankGroup(cfg, path, self.replica_id)
+            tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=cfg.trust_remote_code)
+            vocab = len(tokenizer)
+            forward, release = self.ranks.verify, self._release_ranks
+        self.queue = self._queue(forward, release, batch, "TargetServer.verify")
+        self.round_metrics = RoundMetrics()
+        self.speculation = speculation
+        self.batch_ema = 1.0  # verify batch size, smoothed: the load that load-aware K weighs
+        self.queue.on_batch = self._on_batch
+        policy = DraftPolicy(timeout_s=speculation.draft_timeout_s, retry_after_s=speculation.draft_retry_after_s,
+                             ahead=speculation.draft_ahead)
+        if draft is not None:
+            self._warming = _start(self._connect(draft))
+        self.engine = Engine(self.queue, DraftClient(draft, max_batch=None) if draft is not None else None,
+                             tokenizer=tokenizer, vocab_size=vocab, max_context=max_context,
+                             k_max=speculation.k_max, policy=policy, verify_cost=self._verify_cost)
+
+    @staticmethod
+    async def _connect(draft) -> None:
+        """Open the handle to the draft pool before the first request needs it (its first call sets up
+        Serve's routing: tens of ms that would otherwise land on a round and on the cost estimate)."""
+        try:
+            await draft.stats.remote()
+        except Exception:  # the draft pool is not up yet: the first proposals pay, or fail open
+            pass
+
+    def _on_batch(self, size: int) -> None:
+        self.batch_ema = 0.8 * self.batch_ema + 0.2 * size
+        self.metrics.batch(size, self.cache)
+
+    def _verify_cost(self) -> float:
+        # roofline: a target step costs the same until its batch holds `saturation` tokens, then grows
+        # linearly; one more draft token per sequence adds B tokens, i.e. B / saturation of a step
+        return self.batch_ema / self.speculation.verify_saturation_tokens
+
+    async def generate(self, job: GenerationJob) -> AsyncIterator[dict]:
+        """Run (or resume) one request: its rounds' chunks, then the summary (app.engine.Engine.run_job)."""
+        span = telemetry.start_span("TargetServer.generate", job.trace, {"specserve.replica": self.replica_id})
+        try:
+            async for chunk in self.engine.run_job(job, self.round_metrics.request(), telemetry.context_of(span)):
+                yield chunk
+        finally:
+            if span is not None:
+                span.end()
 
     @property
     def cache(self):
         return self.ranks.cache if self.ranks else self.runner.cache
 
-    async def _drop(self, seq_id: str) -> None:
-        if self.ranks:
-            await self.ranks.release(seq_id)
-            self.metrics.cache(self.cache)
-        else:
-            await super()._drop(seq_id)
+    async def _release_ranks(self, seq_id: str) -> None:
+        await self.ranks.release(seq_id)
+        self.metrics.cache(self.cache)
 
     async def stats(self) -> dict:
         if self.ranks:
@@ -184,15 +206,3 @@ class TargetServer(_Server):
     def __del__(self):
         if getattr(self, "ranks", None):
             self.ranks.shutdown()
-
-    async def verify_many(self, calls: Calls) -> list[Verdict | BaseException]:
-        return await self._each(self.verify, calls)
-
-    @serve.batch(max_batch_size=32, batch_wait_timeout_s=0.002, max_concurrent_batches=4)
-    async def verify(self, items: list[VerifyItem]) -> list[Verdict]:
-        return await self._queue(items)
-
-    async def _compute(self, items: list[VerifyItem]) -> list[Verdict]:
-        if self.ranks:
-            return await self.ranks.verify(items)
-        return await asyncio.to_thread(verify, self.runner, items)

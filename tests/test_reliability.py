@@ -379,26 +379,6 @@ def test_a_request_past_its_deadline_gets_408_and_cancels_its_generation():
     assert err.status == 408 and err.type == "timeout_error" and stuck.cancelled  # cancel frees the caches
 
 
-def test_a_release_during_the_batch_computing_the_sequence_still_frees_it(target_runner):
-    from collections import OrderedDict
-
-    from app.runner import SeqInput
-    from deployments.affinity import Calls
-    from deployments.servers import DraftServer
-
-    server = object.__new__(DraftServer)  # no Serve: only the release bookkeeping is under test
-    server.runner, server.replica_id, server.served, server._released = target_runner, "test", 0, OrderedDict()
-    server.metrics = SimpleNamespace(batch=lambda *a: None, cache=lambda *a: None)
-
-    async def cancelled_mid_batch():
-        async with server._observed("propose", [SimpleNamespace(seq_id="a", trace=None)]):
-            await server.release(Calls(["a"]))  # the request ends while its last call computes...
-            target_runner.forward([SeqInput("a", [2, 3, 4], 1)])  # ...which then stores the cache
-            assert "a" in target_runner.cache
-    asyncio.run(cancelled_mid_batch())
-    assert "a" not in target_runner.cache and target_runner.cache.nbytes == 0
-
-
 def test_the_routers_bounded_queue_fills_before_the_ingress():
     """So overload is answered by the ingress (503, Retry-After, OpenAI's body), not by the proxy's plain text."""
     from cluster.local import load_config

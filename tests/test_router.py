@@ -1,4 +1,5 @@
-"""The Router's request loop without a cluster: fail open, retry, load-aware K (fake handles)."""
+"""The Router without a cluster: it relays a target replica's stream and resumes the request on
+another replica, from the streamed tokens, when that replica dies (fake handles over real engines)."""
 
 import asyncio
 
@@ -8,7 +9,6 @@ from ray.exceptions import RayActorError
 from app.engine import Engine
 from app.params import SamplingParams
 from app.runner import ModelRunner
-from app.spec import propose, verify
 from conftest import blend
 from deployments.config import AppConfig
 from deployments.router import Router
@@ -17,150 +17,103 @@ PROMPT_IDS = list(range(20, 40))
 N = 24
 
 
-class Method:
-    def __init__(self, fn):
-        self.fn = fn
+class Stream:
+    """What handle.options(stream=True).generate.remote(job) returns: an async iterator with cancel()."""
 
-    def remote(self, *args):
-        return self.fn(*args)
+    def __init__(self, gen):
+        self.gen, self.cancelled = gen, False
 
+    def __aiter__(self):
+        return self
 
-class Handle:
-    """Stands in for a DeploymentHandle: handle.method.remote(...) is awaitable.
+    async def __anext__(self):
+        return await self.gen.__anext__()
 
-    Like the servers, it takes a router's coalesced `Calls` on `<method>_many`, item by item.
-    """
-
-    def __init__(self, **methods):
-        self.calls: list[int] = []  # items per coalesced call
-        for name, fn in methods.items():
-            setattr(self, name, Method(fn))
-            setattr(self, f"{name}_many", Method(self._many(fn)))
-
-    def _many(self, fn):
-        async def many(calls):
-            self.calls.append(len(calls.items))
-            return await asyncio.gather(*(fn(item) for item in calls.items), return_exceptions=True)
-        return many
+    def cancel(self):
+        self.cancelled = True
 
 
-async def _noop(*_):
-    return None
+class TargetPool:
+    """Stands in for the TargetServer deployment: each call goes to a fresh replica (a fresh engine)
+    that dies after `die_after` chunks while `deaths` remain."""
+
+    def __init__(self, make_engine, die_after: int | None = None, deaths: int = 0):
+        self.make_engine, self.die_after, self.deaths = make_engine, die_after, deaths
+        self.jobs: list = []  # a copy of each job as it was sent
+
+    def options(self, stream: bool):
+        return self
+
+    @property
+    def generate(self):
+        return self
+
+    def remote(self, job):
+        self.jobs.append((list(job.output_ids), job.controller))
+        return Stream(self._replica(job))
+
+    async def _replica(self, job):
+        engine = self.make_engine()
+        sent = 0
+        async for chunk in engine.run_job(job):
+            if self.deaths and self.die_after is not None and sent == self.die_after:
+                self.deaths -= 1
+                raise RayActorError()
+            sent += 1
+            yield chunk
 
 
 @pytest.fixture()
-def runners(target_model, tokenizer):
-    return ModelRunner(target_model, tokenizer), ModelRunner(blend(target_model, 7, 0.9), tokenizer)
+def make_engine(target_model, tokenizer):
+    draft_model = blend(target_model, 7, 0.9)
+    return lambda: Engine(ModelRunner(target_model, tokenizer), ModelRunner(draft_model, tokenizer), k_max=6)
 
 
-@pytest.fixture()
-def reference(target_model, tokenizer):
-    params = SamplingParams(temperature=0, max_tokens=N, ignore_eos=True, speculation={"enabled": False})
-    return Engine(ModelRunner(target_model, tokenizer)).generate([PROMPT_IDS], params)[0].token_ids
+def params(**kw) -> dict:
+    return SamplingParams(max_tokens=N, ignore_eos=True, **{"temperature": 0, **kw}).model_dump()
 
 
-def make_router(model_dirs, runners, *, draft_fn=None, target_fn=None, **speculation) -> Router:
-    target_runner, draft_runner = runners
-
-    async def good_propose(item):
-        return propose(draft_runner, [item])[0]
-
-    async def good_verify(item):
-        return verify(target_runner, [item])[0]
-
-    cfg = AppConfig.model_validate({"speculation": {"draft_timeout_s": 0.5, **speculation},
-                                    "limits": {"target_retries": 3}})
-    draft = Handle(propose=draft_fn or good_propose, release=_noop)
-    target = Handle(verify=target_fn or (lambda item: good_verify(item)), release=_noop)
-    return Router(draft, target, cfg, model_dirs["target"], max_context=256)
-
-
-def run(router: Router, spec: dict | None = None) -> tuple[list[int], dict]:
-    params = SamplingParams(temperature=0, max_tokens=N, ignore_eos=True, speculation=spec or {}).model_dump()
-
+def run(router: Router, p: dict) -> tuple[list[int], str, dict]:
     async def collect():
-        tokens, last = [], None
-        async for chunk in router.generate("r1", PROMPT_IDS, params):
+        tokens, text, last = [], "", None
+        async for chunk in router.generate("r1", PROMPT_IDS, p):
             tokens += chunk.get("token_ids", [])
+            text += chunk.get("text", "")
             last = chunk
-        return tokens, last
+        return tokens, text, last
     return asyncio.run(collect())
 
 
-def test_router_output_is_the_targets(model_dirs, runners, reference):
-    tokens, last = run(make_router(model_dirs, runners), {"num_tokens": 3})
-    assert tokens == reference and last["finish_reason"] == "length"
-    assert last["speculation"]["drafted_tokens"] > 0
+async def _no_sleep(_):
+    return None
 
 
-def test_concurrent_requests_share_deployment_calls(model_dirs, runners, reference):
-    """Rounds of concurrent requests go out as one call per pool (then batched by the server)."""
-    router = make_router(model_dirs, runners)
-    params = SamplingParams(temperature=0, max_tokens=N, ignore_eos=True, speculation={"num_tokens": 3}).model_dump()
-
-    async def one(i: int) -> list[int]:
-        tokens = []
-        async for chunk in router.generate(f"r{i}", PROMPT_IDS, params):
-            tokens += chunk.get("token_ids", [])
-        return tokens
-
-    async def all_of_them():
-        return await asyncio.gather(*(one(i) for i in range(6)))
-    assert asyncio.run(all_of_them()) == [reference] * 6
-    assert max(router.target.calls) == 6 and max(router.draft.calls) == 6
-    assert len(router.target.calls) < sum(router.target.calls)  # fewer calls than rounds
-    assert not router._homes  # every request's homes are forgotten when it ends
+def make_router(pool: TargetPool, retries: int = 3) -> Router:
+    return Router(pool, AppConfig.model_validate({"limits": {"target_retries": retries}}), sleep=_no_sleep)
 
 
-def test_draft_past_its_deadline_falls_open(model_dirs, runners, reference):
-    async def slow(item):
-        await asyncio.sleep(5)
+@pytest.mark.parametrize("sampling", [{}, {"temperature": 0.9, "seed": 11}], ids=["greedy", "seeded"])
+def test_a_replica_dying_mid_request_resumes_identically_from_the_streamed_tokens(make_engine, sampling):
+    whole, whole_text, _ = run(make_router(TargetPool(make_engine)), params(**sampling))
+    pool = TargetPool(make_engine, die_after=3, deaths=2)
+    tokens, text, last = run(make_router(pool), params(**sampling))
+    assert tokens == whole and text == whole_text  # nothing lost, nothing repeated, same draws
+    assert len(pool.jobs) == 3 and last["finish_reason"] == "length"
+    resumed_from, controller = pool.jobs[1]
+    assert resumed_from and controller is not None  # the second replica started from the streamed state
 
-    tokens, last = run(make_router(model_dirs, runners, draft_fn=slow), {"num_tokens": 3})
+
+def test_router_output_is_the_targets(make_engine, target_model, tokenizer):
+    reference = Engine(ModelRunner(target_model, tokenizer)).generate(
+        [PROMPT_IDS], SamplingParams(**params(speculation={"enabled": False})))[0].token_ids
+    tokens, _, last = run(make_router(TargetPool(make_engine)), params())
     assert tokens == reference
-    spec = last["speculation"]
-    # every round but the last (room for one token only: nothing to draft) fell open
-    assert spec["drafted_tokens"] == 0 and spec["rounds"] == N and spec["fallback_rounds"] == N - 1
+    assert last["usage"] == {"prompt_tokens": len(PROMPT_IDS), "completion_tokens": N,
+                             "total_tokens": len(PROMPT_IDS) + N}
 
 
-def test_dead_target_replica_is_retried_without_repeats(model_dirs, runners, reference):
-    calls = {"n": 0}
-    target_runner = runners[0]
-
-    async def flaky(item):
-        calls["n"] += 1
-        if calls["n"] % 3 == 0:  # every third call lands on a replica that just died
-            raise RayActorError()
-        return verify(target_runner, [item])[0]
-
-    tokens, last = run(make_router(model_dirs, runners, target_fn=flaky), {"num_tokens": 2})
-    assert tokens == reference  # nothing lost, nothing repeated
-    assert calls["n"] > last["speculation"]["rounds"]
-
-
-def test_target_gone_for_good_ends_with_a_clear_error(model_dirs, runners):
-    async def dead(item):
-        raise RayActorError()
-
-    router = make_router(model_dirs, runners, target_fn=dead)
-    router.cfg.limits.target_retries = 1
-    tokens, last = run(router)
+def test_target_gone_for_good_ends_with_a_clear_error(make_engine):
+    pool = TargetPool(make_engine, die_after=0, deaths=100)
+    tokens, _, last = run(make_router(pool, retries=1), params())
     assert tokens == [] and last["error"]["code"] == 503
-
-
-def test_heavy_target_load_turns_speculation_down(model_dirs, runners, reference):
-    target_runner = runners[0]
-
-    def loaded(batch_size):
-        async def fn(item):
-            await asyncio.sleep(0.05)  # a target step well above the draft's: speculation pays when unloaded
-            v = verify(target_runner, [item])[0]
-            v.stats["batch_size"] = batch_size  # as if the target's batches held this many sequences
-            return v
-        return fn
-
-    light = run(make_router(model_dirs, runners, target_fn=loaded(1), verify_saturation_tokens=16))
-    heavy = run(make_router(model_dirs, runners, target_fn=loaded(256), verify_saturation_tokens=16))
-    assert light[0] == heavy[0] == reference
-    assert heavy[1]["speculation"]["drafted_tokens"] < light[1]["speculation"]["drafted_tokens"]
-    assert heavy[1]["speculation"]["fallback_rounds"] > light[1]["speculation"]["fallback_rounds"]
+    assert len(pool.jobs) == 2  # the first try and one retry
