@@ -491,6 +491,9 @@ def add_bench_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--plot", default="bench.png", help="write the two-panel plot here (PNG)")
     p.add_argument("--url", help="benchmark the server running there over HTTP (e.g. http://127.0.0.1:8000): "
                    "a concurrency sweep; the model options are then unused")
+    p.add_argument("--peer", action="append", default=[], metavar="URL",
+                   help="with --url: another OpenAI server (e.g. vLLM) sent the same prompts at every level, its "
+                        "figures side by side with ours; repeatable")
     p.add_argument("--concurrency", default="1,4,16", help="with --url: concurrent streams per level")
     p.add_argument("--request-timeout", type=float, default=300.0, help="with --url: seconds per request")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -552,7 +555,8 @@ def bench_url_cli(args) -> int:
     prompts, names = load_prompts(args.prompts, args.num_prompts)
     try:
         report = asyncio.run(bench_http.run_sweep(args.url.rstrip("/"), prompts, names, modes, levels,
-                                                  args.max_tokens, not args.no_progress, args.request_timeout))
+                                                  args.max_tokens, not args.no_progress, args.request_timeout,
+                                                  args.peer))
     except (ExactnessError, *bench_http.FAILURES) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1

@@ -5,6 +5,7 @@ of them), at most C in flight, each streamed over SSE with httpx; greedy, EOS ig
     target      speculation off ({"enabled": false}): the baseline
     spec-auto   K chosen by the router's controller (the server's default)
     spec-kN     K fixed at N
+    peer@HOST   another OpenAI server (--peer URL, e.g. vLLM), sent the same prompts as plain completions
 
 Terms of the report, per (mode, C), beside the in-process ones (TTFT, TPOT, ITL, tau):
     tok/s       aggregate output tokens/s: every token of the level / the level's wall time
@@ -13,8 +14,12 @@ Terms of the report, per (mode, C), beside the in-process ones (TTFT, TPOT, ITL,
     acc, K      accepted / drafted, drafted per round: from the server's `speculation` stats
     fb, Bmax    fallback (plain target) rounds; the largest verify batch any request rode in
 
-Greedy output of a prompt must be the same text in every mode and at every concurrency; a
-difference fails the benchmark (ExactnessError).
+Below the table, for our modes, where a round's time went (ms per round, see format_breakdown):
+the target replica's round, its forward and the wait for it, the draft's time on and off the
+critical path, and the hops the client saw beyond the replica.
+
+Greedy output of a prompt must be the same text in every mode of ours and at every concurrency; a
+difference fails the benchmark (ExactnessError). A peer's output is compared for information only.
 """
 
 from __future__ import annotations
@@ -57,8 +62,17 @@ class StreamRun(Timed):
         return self.completion_tokens
 
 
-def speculation_of(mode: str) -> dict:
-    """The request's `speculation` extension for a mode name."""
+PEER = "peer@"  # mode name prefix of another OpenAI server, e.g. peer@127.0.0.1:18555
+
+
+def is_peer(mode: str) -> bool:
+    return mode.startswith(PEER)
+
+
+def speculation_of(mode: str) -> dict | None:
+    """The request's `speculation` extension for a mode name (None: a peer, sent plain OpenAI requests)."""
+    if is_peer(mode):
+        return None
     if mode == "target":
         return {"enabled": False}
     if mode == "spec-auto":
@@ -76,7 +90,9 @@ async def stream_completion(client: httpx.AsyncClient, model: str, prompt: str, 
                             max_tokens: int) -> StreamRun:
     """POST /v1/completions, streamed; note when each text chunk arrives and the final stats."""
     body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True,
-            "stream_options": {"include_usage": True}, "ignore_eos": True, "speculation": speculation_of(mode)}
+            "stream_options": {"include_usage": True}, "ignore_eos": True}
+    if speculation_of(mode) is not None:
+        body["speculation"] = speculation_of(mode)
     run = StreamRun(index)
     t0 = time.perf_counter()
     async with client.stream("POST", "/v1/completions", json=body) as response:
@@ -89,7 +105,7 @@ async def stream_completion(client: httpx.AsyncClient, model: str, prompt: str, 
                 break
             _take_chunk(run, json.loads(line[6:]), time.perf_counter() - t0)
     run.seconds = time.perf_counter() - t0
-    if not run.chunk_times or not run.speculation:
+    if not run.chunk_times or not run.completion_tokens or not (run.speculation or is_peer(mode)):
         raise ServerError(f"{mode}: the stream ended without text or without its usage chunk")
     return run
 
@@ -131,8 +147,14 @@ def summarize_level(runs: list[StreamRun], wall: float, concurrency: int) -> dic
     """One (mode, concurrency) row: throughput, latencies and the server's speculation stats."""
     tokens = sum(r.num_tokens for r in runs)
     stats = [r.speculation for r in runs]
-    rounds = sum(s["rounds"] for s in stats)
-    drafted = sum(s["drafted_tokens"] for s in stats)
+    rounds = sum(s.get("rounds", 0) for s in stats)
+    drafted = sum(s.get("drafted_tokens", 0) for s in stats)
+    if not rounds:  # a peer: no speculation stats
+        return {"concurrency": concurrency, "requests": len(runs), "output_tokens": tokens, "seconds": wall,
+                "output_tokens_per_s": tokens / wall,
+                "per_stream_tokens_per_s": sum(r.num_tokens / r.seconds for r in runs) / len(runs),
+                **latency_summary(runs), "tau": None, "acceptance_rate": None, "mean_k": None,
+                "fallback_rounds": None, "max_target_batch_size": None, "round_ms": None}
     return {
         "concurrency": concurrency,
         "requests": len(runs),
@@ -146,7 +168,29 @@ def summarize_level(runs: list[StreamRun], wall: float, concurrency: int) -> dic
         "mean_k": drafted / rounds if rounds else 0.0,
         "fallback_rounds": sum(s.get("fallback_rounds", 0) for s in stats),
         "max_target_batch_size": max(s.get("max_target_batch_size", 1) for s in stats),
+        "draft_ahead_hit_rate": _weighted(stats, "draft_ahead_hit_rate", rounds),
+        "round_ms": round_breakdown(runs, rounds),
     }
+
+
+def _weighted(stats: list[dict], key: str, rounds: int) -> float:
+    return sum(s.get(key, 0.0) * s["rounds"] for s in stats) / rounds
+
+
+def round_breakdown(runs: list[StreamRun], rounds: int) -> dict:
+    """Mean milliseconds per round: where the time went, from the target replica's timings and the client's.
+
+    forward: the target forward a round rode in; queue: waiting for it; draft wait: the proposal's
+    time left on the critical path (drafted ahead: ~0); hidden: draft time that overlapped the last
+    verify; hops: what the client saw beyond the replica's round (Serve/Ray hops, streaming, HTTP).
+    """
+    t = {k: sum(r.speculation.get("timing_ms", {}).get(k, 0.0) * r.speculation["rounds"] for r in runs) / rounds
+         for k in ("round", "verify", "verify_forward", "draft_wait", "draft_forward", "draft_hidden")}
+    client = sum(r.seconds for r in runs) * 1000 / rounds
+    return {"client": client, "round": t["round"], "target_forward": t["verify_forward"],
+            "target_queue": t["verify"] - t["verify_forward"], "draft_wait": t["draft_wait"],
+            "draft_forward": t["draft_forward"], "draft_hidden": t["draft_hidden"],
+            "hops": client - t["round"]}
 
 
 def check_identity(runs: list[StreamRun], reference: dict[int, str], names: list[str], mode: str,
@@ -186,32 +230,48 @@ async def served_model(client: httpx.AsyncClient) -> str:
 
 
 async def run_sweep(url: str, prompts: list[str], names: list[str], modes: list[str], levels: list[int],
-                    max_tokens: int, progress: bool = True, timeout_s: float = 300.0) -> dict:
-    """Every concurrency level, every mode at each (target first); returns the report."""
+                    max_tokens: int, progress: bool = True, timeout_s: float = 300.0,
+                    peers: list[str] = ()) -> dict:
+    """Every concurrency level, every mode at each (target first, peers last); returns the report.
+
+    peers: base URLs of other OpenAI servers, sent the same prompts as plain completions (their
+    output is compared with ours for information: another engine may break float near-ties otherwise).
+    """
     modes = ["target"] + [m for m in modes if m != "target"]  # the baseline runs first at every level
     for m in modes:
         speculation_of(m)
+    bases = {m: url for m in modes} | {PEER + p.split("://")[-1].rstrip("/"): p.rstrip("/") for p in peers}
     limits = httpx.Limits(max_connections=max(levels) + 4, max_keepalive_connections=max(levels) + 4)
-    async with httpx.AsyncClient(base_url=url, timeout=httpx.Timeout(timeout_s), limits=limits) as client:
-        model = await served_model(client)
-        report = {"config": {"url": url, "model": model, "max_tokens": max_tokens, "prompts": len(prompts),
-                             "modes": modes, "concurrency": levels,
-                             "requests": {str(c): max(len(prompts), c) for c in levels}},
-                  "modes": {m: {} for m in modes}}
+    clients = {m: httpx.AsyncClient(base_url=b, timeout=httpx.Timeout(timeout_s), limits=limits)
+               for m, b in bases.items()}
+    try:
+        names_served = {m: await served_model(c) for m, c in clients.items()}
+        report = {"config": {"url": url, "model": names_served["target"], "max_tokens": max_tokens,
+                             "prompts": len(prompts), "modes": list(bases), "peers": list(peers),
+                             "concurrency": levels, "requests": {str(c): max(len(prompts), c) for c in levels}},
+                  "modes": {m: {} for m in bases}}
         reference: dict[int, str] = {}
-        total = len(modes) * (1 + sum(max(len(prompts), c) for c in levels))
+        total = len(bases) * (1 + sum(max(len(prompts), c) for c in levels))
         with tqdm(total=total, desc="bench", unit="req", disable=not progress, dynamic_ncols=True) as bar:
-            for mode in modes:  # warm-up: allocators, kernels, the router's cost estimate
-                await stream_completion(client, model, prompts[0], 0, mode, min(max_tokens, WARMUP_TOKENS))
+            for mode, client in clients.items():  # warm-up: allocators, kernels, the controllers' cost estimate
+                await stream_completion(client, names_served[mode], prompts[0], 0, mode,
+                                        min(max_tokens, WARMUP_TOKENS))
                 bar.update(1)
             for c in levels:
-                for mode in modes:
+                for mode, client in clients.items():
                     bar.set_description(f"bench {mode} x{c}")
-                    runs, wall = await run_level(client, model, prompts, mode, c, max_tokens, bar)
+                    runs, wall = await run_level(client, names_served[mode], prompts, mode, c, max_tokens, bar)
                     row = summarize_level(runs, wall, c)
-                    found = check_identity(runs, reference, names, mode, c)
+                    if is_peer(mode):  # informational: not our output to vouch for
+                        found = differences([r.text for r in runs], [reference.get(r.prompt, r.text) for r in runs],
+                                            [names[r.prompt] for r in runs])
+                    else:
+                        found = check_identity(runs, reference, names, mode, c)
                     row["identical"], row["mismatches"] = not found, found
                     report["modes"][mode][str(c)] = row
+    finally:
+        for client in clients.values():
+            await client.aclose()
     _relative(report)
     report["identity_passed"] = True  # a mismatch raised above
     return report
@@ -222,7 +282,7 @@ async def run_sweep(url: str, prompts: list[str], names: list[str], modes: list[
 
 def format_table(report: dict) -> str:
     """The sweep as a fixed-width table, one row per (concurrency, mode)."""
-    head = (f"{'mode':<12}{'conc':>5}{'tok/s':>8}{'stream':>8}{'x':>6}{'TTFT p50/p99':>15}{'TPOT p50/p99':>15}"
+    head = (f"{'mode':<22}{'conc':>5}{'tok/s':>8}{'stream':>8}{'x':>6}{'TTFT p50/p99':>15}{'TPOT p50/p99':>15}"
             f"{'ITL p50/p99':>15}{'tau':>6}{'acc':>6}{'K':>5}{'fb':>5}{'Bmax':>5}  same")
     lines = [head, "-" * len(head)]
     pair = lambda d: f"{_fmt(d['p50'], '.1f')}/{_fmt(d['p99'], '.1f')}"  # noqa: E731
@@ -230,13 +290,37 @@ def format_table(report: dict) -> str:
         for name, rows in report["modes"].items():
             r = rows[str(c)]
             lines.append(
-                f"{name:<12}{c:>5}{r['output_tokens_per_s']:>8.1f}{r['per_stream_tokens_per_s']:>8.1f}"
+                f"{name:<22}{c:>5}{r['output_tokens_per_s']:>8.1f}{r['per_stream_tokens_per_s']:>8.1f}"
                 f"{_fmt(r['speedup']):>6}{pair(r['ttft_ms']):>15}{pair(r['tpot_ms']):>15}{pair(r['itl_ms']):>15}"
                 f"{_fmt(r['tau']):>6}{_fmt(r['acceptance_rate']):>6}{_fmt(r['mean_k'], '.1f'):>5}"
-                f"{r['fallback_rounds']:>5}{r['max_target_batch_size']:>5}  {'yes' if r['identical'] else 'NO'}")
+                f"{_fmt(r['fallback_rounds'], 'd'):>5}{_fmt(r['max_target_batch_size'], 'd'):>5}"
+                f"  {'yes' if r['identical'] else 'NO'}")
     cfg = report["config"]
     lines.append(f"\n{cfg['url']} ({cfg['model']}): {cfg['prompts']} prompts x {cfg['max_tokens']} tokens, greedy, "
                  f"streamed; requests per level: {cfg['requests']}")
+    lines.append("\n" + format_breakdown(report))
+    return "\n".join(lines)
+
+
+BREAKDOWN = (("client", "client"), ("round", "round"), ("target_forward", "t.fwd"), ("target_queue", "t.queue"),
+             ("draft_wait", "d.wait"), ("draft_forward", "d.fwd"), ("draft_hidden", "d.hidden"), ("hops", "hops"))
+
+
+def format_breakdown(report: dict) -> str:
+    """Where a round's time goes, ms per round, per (mode, concurrency) of our server."""
+    head = f"{'ms per round':<12}{'conc':>5}" + "".join(f"{label:>9}" for _, label in BREAKDOWN) + f"{'ahead hit':>10}"
+    lines = [head, "-" * len(head)]
+    for c in report["config"]["concurrency"]:
+        for name, rows in report["modes"].items():
+            r = rows[str(c)]
+            if not r.get("round_ms"):
+                continue
+            lines.append(f"{name:<12}{c:>5}" + "".join(f"{r['round_ms'][k]:>9.2f}" for k, _ in BREAKDOWN)
+                         + f"{_fmt(r.get('draft_ahead_hit_rate')):>10}")
+    lines.append("client: request time / rounds as the client saw it; round: the target replica's round; t.fwd, "
+                 "t.queue: its target forward and the wait for it; d.wait: waiting for the proposal; d.fwd: the draft "
+                 "forward; d.hidden: draft time hidden behind the previous verify; hops: client - round (Serve/Ray "
+                 "hops, streaming, HTTP)")
     return "\n".join(lines)
 
 

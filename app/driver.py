@@ -221,6 +221,7 @@ async def run_rounds(
             observer.round(facts)
             state.stats.record(verdict.drafted, verdict.accepted, len(verdict.tokens), facts.fallback is not None,
                                facts.batch_size, facts.ahead_hit)
+            state.stats.time(facts)
             yield state.append(verdict.tokens)
     finally:
         rounds.close()

@@ -66,8 +66,8 @@ class ForwardQueue(Generic[Item, Result]):
         stats = {"batch_size": len(items), **self.extra_stats}
         t0 = time.perf_counter()
         try:
-            with telemetry.batch_spans(self.name, [getattr(it, "trace", None) for it in items],
-                                       {"specserve.batch_size": len(items)}):
+            attrs = {"specserve.batch_size": len(items), **{f"specserve.{k}": v for k, v in self.extra_stats.items()}}
+            with telemetry.batch_spans(self.name, [getattr(it, "trace", None) for it in items], attrs):
                 results = await self.forward(items)
         finally:
             for seq_id in {it.seq_id for it in items} & self._released.keys():

@@ -9,6 +9,17 @@ from app.params import SamplingParams
 REPLACEMENT = "\ufffd"  # what a decoder shows for a UTF-8 sequence cut mid-way
 
 
+# per-round timings summed in SpeculationStats: name in the summary -> RoundFacts attribute
+TIMES = {
+    "round": "round_s",  # the whole round on the target replica
+    "verify": "verify_s",  # waiting for and running the target forward
+    "verify_forward": "verify_forward_s",  # the target forward this round rode in
+    "draft_wait": "draft_s",  # waiting for the proposal (the draft's time left on the critical path)
+    "draft_forward": "draft_forward_s",  # the draft forward that made the proposal
+    "draft_hidden": "draft_hidden_s",  # of the proposal's round trip, the part hidden behind the last verify
+}
+
+
 @dataclass
 class SpeculationStats:
     """How speculation went for one request."""
@@ -22,6 +33,8 @@ class SpeculationStats:
     max_target_batch: int = 0
     ahead_checked: int = 0  # rounds that found a proposal drafted ahead
     ahead_hits: int = 0  # ...and could use it
+    # seconds summed over rounds, as the replica running them saw them (see `timing` in summary())
+    seconds: dict = field(default_factory=lambda: dict.fromkeys(TIMES, 0.0))
 
     def record(self, drafted: int, accepted: int, emitted: int, fallback: bool = False, batch_size: int = 1,
                ahead_hit: bool | None = None) -> None:
@@ -39,6 +52,11 @@ class SpeculationStats:
         for j in range(accepted):
             self.accepted_per_position[j] += 1
 
+    def time(self, facts) -> None:
+        """Add one round's timings (an app.telemetry.RoundFacts)."""
+        for key, attr in TIMES.items():
+            self.seconds[key] += getattr(facts, attr)
+
     def summary(self) -> dict:
         """The `speculation` object of responses."""
         return {
@@ -52,6 +70,8 @@ class SpeculationStats:
             "max_target_batch_size": self.max_target_batch,  # the largest verify batch this request rode in
             # rounds whose proposal was drafted while the previous round verified, of those that tried
             "draft_ahead_hit_rate": self.ahead_hits / self.ahead_checked if self.ahead_checked else 0.0,
+            # mean milliseconds per round: where a round's time went on the target replica
+            "timing_ms": {k: round(v * 1000 / self.rounds, 3) if self.rounds else 0.0 for k, v in self.seconds.items()},
         }
 
 

@@ -157,8 +157,8 @@ def test_the_dashboard_queries_names_ray_exports(app):
 def test_a_request_is_one_trace_across_the_deployments(app, receiver):
     traceparent = f"00-{TRACE_ID}-{CLIENT_SPAN}-01"
     spec = complete(app, PROMPTS[2], headers={"traceparent": traceparent}, speculation={"num_tokens": 3})["speculation"]
-    expected = {"POST /v1/completions": 1, "generate": 1, "round": spec["rounds"], "target.verify": spec["rounds"],
-                "TargetServer.verify": spec["rounds"]}
+    expected = {"POST /v1/completions": 1, "generate": 1, "TargetServer.generate": 1, "round": spec["rounds"],
+                "target.verify": spec["rounds"], "TargetServer.verify": spec["rounds"]}
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:
         spans = receiver.of_trace(TRACE_ID)
@@ -169,11 +169,12 @@ def test_a_request_is_one_trace_across_the_deployments(app, receiver):
             break
         time.sleep(0.5)
     by_id = {s.span_id.hex(): (c, s) for c, s in spans}
-    parents = {"POST /v1/completions": None, "generate": "POST /v1/completions", "round": "generate",
-               "draft.propose": "round", "target.verify": "round",
+    # the rounds run on the target replica; a proposal drafted ahead is a child of the round it overlapped
+    parents = {"POST /v1/completions": None, "generate": "POST /v1/completions", "TargetServer.generate": "generate",
+               "round": "TargetServer.generate", "draft.propose": "round", "target.verify": "round",
                "DraftServer.propose": "draft.propose", "TargetServer.verify": "target.verify"}
-    components = {"POST /v1/completions": "ingress", "generate": "router", "round": "router",
-                  "DraftServer.propose": "DraftServer", "TargetServer.verify": "TargetServer"}
+    components = {"POST /v1/completions": "ingress", "generate": "router", "TargetServer.generate": "TargetServer",
+                  "round": "TargetServer", "DraftServer.propose": "DraftServer", "TargetServer.verify": "TargetServer"}
     for component, s in spans:
         parent = s.parent_span_id.hex()
         if parents[s.name] is None:
