@@ -1,9 +1,9 @@
 """Coalescing of concurrent rounds: calls made in the same event-loop turn go out as one batch.
 
-Serve deployments batch with `@serve.batch` where the forward runs; upstream of them, every
-deployment call costs milliseconds of Ray and Serve bookkeeping, so the router coalesces the
-rounds of its requests into one call per pool and turn (Serve has no client-side batching). In
-process, with no Ray, the same batcher feeds the models directly.
+Every deployment call costs milliseconds of Ray and Serve bookkeeping, so a target replica
+coalesces its sequences' proposals into one call to the draft pool per turn (Serve has no
+client-side batching); with serial=True the same batcher is each server's forward queue
+(app/forward_queue.py).
 """
 
 import asyncio

@@ -3,7 +3,7 @@
 At each concurrency C of the sweep, every mode runs the same requests (one per prompt, at least C
 of them), at most C in flight, each streamed over SSE with httpx; greedy, EOS ignored. Modes:
     target      speculation off ({"enabled": false}): the baseline
-    spec-auto   K chosen by the router's controller (the server's default)
+    spec-auto   K chosen by the server's adaptive controller (its default)
     spec-kN     K fixed at N
     peer@HOST   another OpenAI server (--peer URL, e.g. vLLM), sent the same prompts as plain completions
 

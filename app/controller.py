@@ -9,7 +9,7 @@ Terms (Leviathan et al., 2023):
 A round drafts K tokens and emits 1 + (accepted) tokens, so its expected length is
 sum_{i=0..K} alpha^i, and its cost, in target steps, is K*c + 1 + K*v.
 
-`CostEstimator` measures c online for one router; `KController` keeps one sequence's alpha
+`CostEstimator` measures c online for one engine (a target replica); `KController` keeps one sequence's alpha
 and picks the K that maximises the expected speed-up, falling back to K = 0 (plain target
 steps) when speculation does not pay and probing now and then to notice when it does again.
 """
@@ -61,7 +61,7 @@ class CostConfig:
 
 
 class CostEstimator:
-    """Online estimate of c = draft step time / target round time, shared by one router."""
+    """Online estimate of c = draft step time / target round time, shared by one engine."""
 
     def __init__(self, config: CostConfig | None = None) -> None:
         self.config = config or CostConfig()
@@ -87,7 +87,7 @@ class CostEstimator:
 
 @dataclass
 class KControllerConfig:
-    """How a sequence's K is chosen; shared by all sequences of a router."""
+    """How a sequence's K is chosen; shared by all sequences of an engine."""
 
     k_max: int = 8  # longer runs rarely survive; also bounds the wasted draft work per round
     prior_alpha: float = 0.6  # draft/target pairs usually agree this often: start speculating

@@ -60,18 +60,46 @@ class Transport(Protocol):
 
     async def run_job(self, job: GenerationJob, observer: RoundObserver = NoObserver(),
                       trace_parent: telemetry.Parent = None) -> AsyncIterator[dict]:
-        """Run (or resume) a request: a chunk {token_ids, text, controller} per round, then a last chunk
-        with finish_reason, usage and speculation stats. What a TargetServer replica streams."""
+        """Run (or resume) a request: chunks {token_ids, text, controller}, then a last chunk with
+        finish_reason, usage and speculation stats. What a TargetServer replica streams.
+
+        The rounds do not wait for their chunks to be sent: a round's tokens go to a queue and the
+        next round joins the next forward at once (a sequence that waited on its stream would miss
+        its batch). Whatever has queued while a chunk was being sent goes out as one chunk.
+        """
+        chunks: asyncio.Queue = asyncio.Queue()
+        producer = asyncio.ensure_future(self._produce(job, observer, trace_parent, chunks))
+        try:
+            while True:
+                merged = await chunks.get()
+                while not chunks.empty() and "finish_reason" not in merged and not isinstance(merged, BaseException):
+                    merged = _merge(merged, chunks.get_nowait())
+                if isinstance(merged, BaseException):
+                    raise merged
+                yield merged
+                if "finish_reason" in merged:
+                    return
+        finally:
+            producer.cancel()  # the stream was closed (client gone, replica shutting down): stop the rounds
+            await asyncio.gather(producer, return_exceptions=True)
+
+    async def _produce(self, job: GenerationJob, observer: RoundObserver, trace_parent: telemetry.Parent,
+                       chunks: asyncio.Queue) -> None:
         state = job.state(self.tokenizer, self.max_context)
         controller = self.controller(state.params).restore(job.controller)
-        async for kept in self.stream(state, controller, observer, trace_parent):
-            delta = state.take_delta()
-            if kept or delta:
-                yield {"token_ids": kept, "text": delta, "controller": controller.snapshot()}
+        try:
+            async for kept in self.stream(state, controller, observer, trace_parent):
+                delta = state.take_delta()
+                if kept or delta:
+                    chunks.put_nowait({"token_ids": kept, "text": delta, "controller": controller.snapshot()})
+        except Exception as e:
+            chunks.put_nowait(e)
+            return
         prompt, completion = len(job.prompt_ids), len(state.output_ids)
-        yield {"token_ids": [], "text": state.take_delta(), "finish_reason": state.finish_reason,
-               "usage": {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion},
-               "speculation": state.stats.summary()}
+        chunks.put_nowait({"token_ids": [], "text": state.take_delta(), "finish_reason": state.finish_reason,
+                           "usage": {"prompt_tokens": prompt, "completion_tokens": completion,
+                                     "total_tokens": prompt + completion},
+                           "speculation": state.stats.summary()})
 
     async def release(self, seq_id: str) -> None: ...
 
@@ -196,6 +224,13 @@ class Engine:
             await asyncio.gather(*(one(s) for s in states))
         asyncio.run(run_all())
         return [result_of(s) for s in states]
+
+
+def _merge(first: dict | BaseException, then: dict | BaseException) -> dict | BaseException:
+    """Two queued chunks as one: tokens and text joined, the later chunk's other fields (an error wins)."""
+    if isinstance(first, BaseException) or isinstance(then, BaseException):
+        return first if isinstance(first, BaseException) else then
+    return {**first, **then, "token_ids": first["token_ids"] + then["token_ids"], "text": first["text"] + then["text"]}
 
 
 def result_of(state: RequestState) -> GenerationResult:

@@ -247,14 +247,13 @@ def gpu_variant(file: str, name: str, purpose: str, **kw) -> Variant:
 
 GPU = gpu_variant("ray-service.gpu.yaml", "specserve", "specserve in production on GPUs.")
 HA_DEPLOYMENTS = merge(GPU_DEPLOYMENTS, {
-    "Router": {"num_replicas": 2, "max_replicas_per_node": 1},
     "Ingress": {"num_replicas": 2, "max_replicas_per_node": 1},
 })
 HA = gpu_variant(
     "ray-service.ha.yaml", "specserve-ha",
     """specserve in production on GPUs, highly available: GCS fault tolerance with an external Redis
 (Service `specserve-redis:6379`, password in secret `specserve-redis`, key `password`), so a
-head pod restart does not take the Serve replicas down; Router and Ingress on two pods each.""",
+head pod restart does not take the Serve replicas down; the Ingress on two pods.""",
     redis=True, deployments=HA_DEPLOYMENTS)
 AUTH = gpu_variant(
     "ray-service.auth.yaml", "specserve-auth",
@@ -342,7 +341,7 @@ def panels() -> list[dict]:
         panel("Active requests and KV cache", "short", [
             (f"sum({m('active_requests')})", "active requests"),
             (f"sum by (ray_io_group)({m('kv_cache_bytes')}) / 2^30", "KV cache GiB {{ray_io_group}}")],
-            "Requests in flight in the routers; KV cache held by the replicas of each pool."),
+            "Requests in flight in the ingress; KV cache held by the replicas of each pool."),
         panel("HTTP errors", "reqps", [
             (f"sum by (route, error_code)(rate(ray_serve_num_http_error_requests_total{serve}{RATE}))",
              "{{route}} {{error_code}}")],

@@ -1,4 +1,4 @@
-"""build_app: the Serve application (Ingress -> Router -> TargetServer -> DraftServer) from typed args.
+"""build_app: the Serve application (Ingress -> TargetServer -> DraftServer) from typed args.
 
 Deployment options here are defaults; the Serve config's `deployments:` entries override them
 (replicas, autoscaling_config, ray_actor_options, max_ongoing_requests, health checks).
@@ -14,7 +14,6 @@ from transformers import AutoConfig
 from deployments.affinity import SessionAffinityRouter
 from deployments.config import AppConfig
 from deployments.ingress import Ingress
-from deployments.router import Router
 from deployments.servers import DraftServer, TargetServer
 
 
@@ -65,10 +64,7 @@ def build_app(args: dict) -> Application:
         TargetServer, name="TargetServer", max_ongoing_requests=128, ray_actor_options={"num_cpus": 0.25},
         health_check_period_s=5, health_check_timeout_s=30, **tensor_parallel_options(cfg),
     ).bind(cfg.target, target_path, cfg.target_batch, draft, cfg.speculation, max_context)
-    router = serve.deployment(
-        Router, name="Router", max_ongoing_requests=256, ray_actor_options={"num_cpus": 0.1},
-    ).bind(target, cfg)
     ingress = serve.deployment(
         Ingress, name="Ingress", max_ongoing_requests=1024, ray_actor_options={"num_cpus": 0.1},
-    ).bind(router, cfg, target_path, name, max_context)
+    ).bind(target, cfg, target_path, name, max_context)
     return ingress

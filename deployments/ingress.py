@@ -17,8 +17,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from opentelemetry.trace import SpanKind
 from pydantic import ValidationError
 from ray import serve
-from ray.exceptions import ActorUnavailableError, RayActorError
-from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError
+from ray.serve.exceptions import BackPressureError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from transformers import AutoTokenizer
 
@@ -27,6 +26,7 @@ from app.openai_protocol import (ChatCompletionRequest, CompletionRequest, compl
                                  sse_event)
 from app.params import SpeculationParams
 from deployments.config import AppConfig
+from deployments.router import Router
 
 # used when a tokenizer ships no chat template (the demo pair): plain "role: content" turns
 DEFAULT_CHAT_TEMPLATE = (
@@ -47,7 +47,7 @@ class APIError(Exception):
 
     @classmethod
     def from_router(cls, err: dict) -> "APIError":
-        """The router's error chunk as an APIError."""
+        """An error chunk of the generation stream as an APIError."""
         return cls(int(err.get("code") or 503), err["message"], err["type"], err.get("param"), err.get("code"))
 
     def response(self) -> JSONResponse:
@@ -83,12 +83,22 @@ def invalid(errors: list[dict]) -> APIError:
     return APIError(400, f"invalid {param or 'request'}: {err.get('msg')}", "invalid_request_error", param)
 
 
+async def _close(stream) -> None:
+    """Stop a generation stream (its router cancels the target replica's call)."""
+    try:
+        await stream.aclose()
+    except RuntimeError:  # being closed already (a cancelled __anext__)
+        pass
+
+
 @serve.ingress(api)
 class Ingress:
-    """FastAPI ingress; the Router deployment does the generation."""
+    """FastAPI ingress: validates, tokenizes, and streams each request from a TargetServer replica
+    through its Router (placement and failover, deployments/router.py)."""
 
-    def __init__(self, router, cfg: AppConfig, tokenizer_path: str, model_name: str, max_context: int):
-        self.router, self.cfg, self.model_name, self.max_context = router, cfg, model_name, max_context
+    def __init__(self, target, cfg: AppConfig, tokenizer_path: str, model_name: str, max_context: int):
+        self.router = Router(target, cfg)
+        self.cfg, self.model_name, self.max_context = cfg, model_name, max_context
         self.tokenizer = AutoTokenizer.from_pretrained(tokenizer_path)
         if not getattr(self.tokenizer, "chat_template", None):
             self.tokenizer.chat_template = DEFAULT_CHAT_TEMPLATE
@@ -203,8 +213,7 @@ class Ingress:
         except ValidationError as e:
             raise invalid(e.errors()) from None
         rid = new_id("chatcmpl" if chat else "cmpl")
-        stream = self.router.options(stream=True).generate.remote(uuid.uuid4().hex, prompt_ids,
-                                                                  params.model_dump(), telemetry.carrier(span))
+        stream = self.router.generate(uuid.uuid4().hex, prompt_ids, params.model_dump(), telemetry.carrier(span))
         deadline = asyncio.get_running_loop().time() + self.cfg.limits.request_timeout_s
         first = await self._next(stream, deadline)  # errors before any token get a proper status
         if first.get("error"):
@@ -214,21 +223,24 @@ class Ingress:
             return StreamingResponse(self._sse(rid, first, stream, deadline, chat, include_usage, span),
                                      media_type="text/event-stream")
         text, last = first.get("text", ""), first
-        while "finish_reason" not in last:
-            last = await self._next(stream, deadline)
-            if last.get("error"):
-                raise APIError.from_router(last["error"])
-            text += last.get("text", "")
+        try:
+            while "finish_reason" not in last:
+                last = await self._next(stream, deadline)
+                if last.get("error"):
+                    raise APIError.from_router(last["error"])
+                text += last.get("text", "")
+        finally:
+            await _close(stream)
         return completion_body(rid, self.model_name, text, last["finish_reason"], last["usage"],
                                last["speculation"], chat, delta=False)
 
     async def _next(self, stream, deadline: float) -> dict:
-        """The router's next chunk, within the request's deadline."""
+        """The generation's next chunk, within the request's deadline (past it the generation is stopped)."""
         timeout = deadline - asyncio.get_running_loop().time()
         try:
             return await asyncio.wait_for(stream.__anext__(), max(timeout, 0.001))
         except asyncio.TimeoutError:
-            stream.cancel()
+            await _close(stream)
             raise APIError(408, f"request exceeded {self.cfg.limits.request_timeout_s}s", "timeout_error",
                            code="timeout") from None
         except BackPressureError:
@@ -236,11 +248,6 @@ class Ingress:
                            code="overloaded", headers={"Retry-After": "1"}) from None
         except StopAsyncIteration:
             raise APIError(503, "generation ended without a result", "service_unavailable") from None
-        except (RayActorError, ActorUnavailableError, DeploymentUnavailableError) as e:
-            # the router replica holding this request died: its state is gone, so say so (a stream
-            # then ends with an error event, not a silent cut) and let the client retry
-            raise APIError(503, f"the router serving this request failed ({type(e).__name__}): retry",
-                           "service_unavailable", code="router_unavailable", headers={"Retry-After": "1"}) from None
 
     async def _sse(self, rid: str, first: dict, stream, deadline: float, chat: bool, include_usage: bool, span=None):
         chunk = first
@@ -265,7 +272,7 @@ class Ingress:
         except APIError as e:
             yield sse_event(error_body(e.message, e.type, e.param, e.code))
         finally:
-            stream.cancel()  # a client that went away stops the generation and frees its caches
+            await _close(stream)  # a client that went away stops the generation and frees its caches
             if span is not None:
                 span.end()
         yield "data: [DONE]\n\n"

@@ -88,7 +88,7 @@ class RequestMetrics:
 
 
 class RouterMetrics:
-    """Requests in flight, failovers and per-request latencies of one Router replica."""
+    """Requests in flight, failovers and per-request latencies of one Ingress replica (its Router)."""
 
     def __init__(self):
         self.target_retries = Counter(_name("target_retries"), "Requests resumed on another target replica.")
@@ -96,7 +96,7 @@ class RouterMetrics:
                               boundaries=TTFT_S)
         self.tpot = Histogram(_name("tpot_seconds"), "Mean time per output token after the first, per request.",
                               boundaries=LATENCY_S)
-        self.active = Gauge(_name("active_requests"), "Requests in flight in this router.")
+        self.active = Gauge(_name("active_requests"), "Requests in flight in this ingress.")
         self.active.set(0)
 
     def retry(self) -> None:

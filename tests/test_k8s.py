@@ -482,7 +482,7 @@ BROKEN = {
         rs["spec"]["rayClusterConfig"]["headGroupSpec"]["rayStartParams"].update({"redis-password": "x"})),
     "typo in serve autoscaling": lambda rs: edit_serve(
         rs, lambda c, d: d["DraftServer"]["autoscaling_config"].update(max_replica=3)),
-    "typo in a serve deployment": lambda rs: edit_serve(rs, lambda c, d: d["Router"].update(num_replica=2)),
+    "typo in a serve deployment": lambda rs: edit_serve(rs, lambda c, d: d["Ingress"].update(num_replica=2)),
     "typo in ray_actor_options": lambda rs: edit_serve(
         rs, lambda c, d: d["DraftServer"]["ray_actor_options"].update(num_gpu=1)),
     "typo in app args": lambda rs: edit_serve(

@@ -1,6 +1,6 @@
 """Metrics and traces of the running app on a local cluster: the Prometheus scrape of every node's
 metrics agent agrees with the responses' speculation stats, and a traced request arrives at an OTLP
-HTTP receiver on loopback as one span tree across the ingress, router, draft and target."""
+HTTP receiver on loopback as one span tree across the ingress, target and draft."""
 
 import gzip
 import http.server
@@ -135,11 +135,11 @@ def test_counters_add_up_to_the_responses_speculation_stats(app):
     # per position: position 0 was accepted at least as often as any later one
     per_pos = {lab["position"]: v for lab, v in after["ray_specserve_spec_decode_num_accepted_tokens_per_pos_total"]}
     assert per_pos["0"] == max(per_pos.values())
-    # batch sizes by deployment, cache gauges per server replica, requests in flight per router
+    # batch sizes by deployment, cache gauges per server replica, requests in flight per ingress
     sizes = {lab["deployment"] for lab, _ in after["ray_specserve_batch_size_count"]}
     assert sizes == {"DraftServer", "TargetServer"}
     assert {lab["deployment"] for lab, _ in after["ray_specserve_kv_cache_sequences"]} == sizes
-    assert total(after, "ray_specserve_active_requests", deployment="Router") == 0
+    assert total(after, "ray_specserve_active_requests", deployment="Ingress") == 0
     assert all("request" not in k for samples in after.values() for lab, _ in samples for k in lab)
 
 
@@ -173,7 +173,7 @@ def test_a_request_is_one_trace_across_the_deployments(app, receiver):
     parents = {"POST /v1/completions": None, "generate": "POST /v1/completions", "TargetServer.generate": "generate",
                "round": "TargetServer.generate", "draft.propose": "round", "target.verify": "round",
                "DraftServer.propose": "draft.propose", "TargetServer.verify": "target.verify"}
-    components = {"POST /v1/completions": "ingress", "generate": "router", "TargetServer.generate": "TargetServer",
+    components = {"POST /v1/completions": "ingress", "generate": "ingress", "TargetServer.generate": "TargetServer",
                   "round": "TargetServer", "DraftServer.propose": "DraftServer", "TargetServer.verify": "TargetServer"}
     for component, s in spans:
         parent = s.parent_span_id.hex()
