@@ -146,6 +146,11 @@ class Rounds:
                 return await asyncio.wait_for(self.propose(item), self.policy.timeout_s)
         except asyncio.TimeoutError:
             raise DraftUnavailable(f"no proposal within {self.policy.timeout_s}s", "deadline") from None
+        except asyncio.CancelledError:
+            if asyncio.current_task().cancelling():
+                raise  # this request (or its drafted-ahead proposal) is being stopped
+            # the draft side cancelled the call (a replica shutting down, a batch it dropped): fail open
+            raise DraftUnavailable("the draft pool cancelled the proposal") from None
 
     # -- drafting ahead ----------------------------------------------------------------------
     def _draft_ahead(self, proposal: Proposal) -> None:

@@ -92,6 +92,10 @@ class Transport(Protocol):
                 delta = state.take_delta()
                 if kept or delta:
                     chunks.put_nowait({"token_ids": kept, "text": delta, "controller": controller.snapshot()})
+        except asyncio.CancelledError as e:
+            # the stream is never left waiting: a round cancelled from elsewhere ends it with an error
+            chunks.put_nowait(RuntimeError(f"generation cancelled: {e}"))
+            raise
         except Exception as e:
             chunks.put_nowait(e)
             return

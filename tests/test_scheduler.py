@@ -211,3 +211,20 @@ def test_a_release_during_the_forward_computing_the_sequence_still_frees_it(targ
         await queue.submit(type("I", (), {"seq_id": "a", "trace": None})())
     asyncio.run(go())
     assert "a" not in target_runner.cache and target_runner.cache.nbytes == 0
+
+
+class CancelsItsCalls:
+    """A draft pool that cancels the calls it was sent (a replica shutting down): not the request's doing."""
+
+    async def submit(self, item):
+        raise asyncio.CancelledError()
+
+    async def release(self, seq_id):
+        pass
+
+
+def test_a_proposal_cancelled_by_the_draft_side_falls_open_instead_of_stalling(target_model, tokenizer, reference):
+    eng = Engine(ModelRunner(target_model, tokenizer), CancelsItsCalls(), tokenizer=tokenizer)
+    r = eng.generate([PROMPTS[0]], greedy(num_tokens=3))[0]
+    assert r.token_ids == reference[tuple(PROMPTS[0])]
+    assert r.speculation["fallback_rounds"] > 0 and r.speculation["drafted_tokens"] == 0
