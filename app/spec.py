@@ -104,8 +104,10 @@ def _guess(logits: torch.Tensor, items: list[ProposeItem], positions: torch.Tens
     context is drafted ahead depends on it, never a token."""
     if all(it.sampling.greedy for it in items):
         return logits.argmax(-1)
-    q = process_logits(logits, *_sampling_tensors([it.sampling for it in items]))
-    return sample(q, uniform(torch.tensor([it.seed for it in items]), positions, EMIT))
+    device = logits.device
+    q = process_logits(logits, *(t.to(device) for t in _sampling_tensors([it.sampling for it in items])))
+    seeds = torch.tensor([it.seed for it in items], device=device)
+    return sample(q, uniform(seeds, positions.to(device), EMIT))
 
 
 def propose(runner: ModelRunner, items: list[ProposeItem], top_n: int = 32) -> list[Proposal]:
@@ -121,7 +123,7 @@ def propose(runner: ModelRunner, items: list[ProposeItem], top_n: int = 32) -> l
     drafted = [it.k + it.guess for it in batch_items]  # the guess is one more draft step
     steps = max(drafted)
     tokens, ids, probs = [], [], []
-    guess_step = torch.tensor([it.k if it.guess else -1 for it in batch_items])
+    guess_step = torch.tensor([it.k if it.guess else -1 for it in batch_items], device=logits.device)
     for step in range(steps):
         t, qi, qp = _draft_step(logits, batch_items, positions + step, top_n)
         if bool((guess_step == step).any()):
