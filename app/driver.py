@@ -78,7 +78,6 @@ class _Ahead:
     """A proposal requested for a context the sequence may reach next round."""
 
     context: list[int]
-    k: int
     task: asyncio.Task
     started: float
 
@@ -107,7 +106,7 @@ class Rounds:
             fallback = self.down_reason
         elif k > 0:
             t0 = time.perf_counter()
-            ahead_hit = self._ahead_matches(k) if self.ahead is not None else None
+            ahead_hit = self._ahead_matches() if self.ahead is not None else None
             try:
                 proposal = await (self._await_ahead() if ahead_hit else self._draft(state.token_ids, k))
             except DraftUnavailable as e:
@@ -165,13 +164,14 @@ class Rounds:
         if k <= 0:
             return
         context = state.token_ids + proposal.tokens + [proposal.guess]
-        self.ahead = _Ahead(context, k, asyncio.ensure_future(self._draft(context, k)), time.perf_counter())
+        self.ahead = _Ahead(context, asyncio.ensure_future(self._draft(context, k)), time.perf_counter())
 
-    def _ahead_matches(self, k: int) -> bool:
+    def _ahead_matches(self) -> bool:
         """Whether the proposal drafted ahead is for this round's context (a hit) or not (a miss).
 
         On a hit its first min(k, K ahead) tokens are used. A seeded sampled request's K depends on its
-        own history only, so there the two are equal; other requests' output does not depend on K.
+        own history only, so there the two are equal; greedy output does not depend on K, and an
+        unseeded request's distribution does not either.
         """
         a = self.ahead
         return a is not None and a.context == self.state.token_ids
