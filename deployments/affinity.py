@@ -1,7 +1,7 @@
 """Session affinity: every call of one sequence goes to the same replica, so its KV cache is reused.
 
-The router sends the rounds of many sequences as one `Calls`, grouped by the replica that served
-each sequence before (its home, named by `replica_hint`); a sequence without a home goes where
+A target replica sends the proposals of many sequences as one `Calls` (deployments/draft_client.py),
+grouped by the draft replica that served each sequence before (its home, named by `replica_hint`); a sequence without a home goes where
 rendezvous hashing on its id points. If that replica cannot take the request (queue full) or is
 gone, the others are tried least-loaded first via Serve's power-of-two fallback. Affinity is a
 speed-up only: any replica computes the same answer from the full token ids.

@@ -1,10 +1,20 @@
 """ModelRunner: prefix reuse, rollback, ragged batches and eviction give a fresh forward's logits."""
 
+import pytest
 import torch
 
 from app.runner import ModelRunner, SeqInput
 
 ATOL = 1e-4
+
+
+@pytest.fixture(params=["ragged", "padded"])
+def target_runner(request, target_model, tokenizer):
+    """Both forward layouts: packed rows (the default) and padded batches (models ragged attention
+    cannot serve exactly, e.g. sliding windows)."""
+    runner = ModelRunner(target_model, tokenizer)
+    runner.ragged = request.param == "ragged"
+    return runner
 
 
 def fresh_logits(model, ids: list[int], n: int) -> torch.Tensor:
