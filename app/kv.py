@@ -79,10 +79,33 @@ def common_prefix(a: list[int], b: list[int]) -> int:
     return n
 
 
-class KVStore:
-    """Sequence id -> SequenceCache, least recently used evicted first when over budget.
+PREFIX_BLOCK = 16  # tokens per block of the prefix index: a shared prefix is found to the block, then exactly
 
-    The budget counts slabs' whole capacity, spare room included: it bounds real memory.
+
+def block_keys(token_ids: list[int], start: int = 0):
+    """(block end, key) for each whole block of token_ids: the key names the whole prefix up to that end."""
+    key = None
+    for end in range(PREFIX_BLOCK, len(token_ids) + 1, PREFIX_BLOCK):
+        key = hash((key, tuple(token_ids[end - PREFIX_BLOCK : end])))
+        if end > start:
+            yield end, key
+
+
+class KVStore:
+    """Sequence id -> SequenceCache, least recently used evicted first when over budget, with
+    automatic prefix caching: a new sequence starts from a copy of the longest prefix any cached
+    sequence shares with it (the same system prompt, a chat's earlier turns, a retried request).
+
+    A released sequence is not dropped but retired: its KV stays as a prefix donor until the
+    budget needs the room, and retired entries are evicted before any live one. The budget counts
+    slabs' whole capacity, spare room included: it bounds real memory.
+
+    A prefix index maps each block of cached tokens, keyed by the whole prefix it ends, to a
+    sequence holding it. A hit is always confirmed on the token ids themselves, so the index may
+    be stale or collide without ever changing a result. Reused keys and values are what the
+    sequence's own prefill computes for the same tokens at the same positions; as with any
+    batched forward, only float rounding from the batch's shape can differ.
+
     Forwards run in a worker thread while releases come from the event loop: a lock guards the map.
     """
 
@@ -90,15 +113,20 @@ class KVStore:
         self.max_bytes = max_bytes
         self._entries: OrderedDict[str, SequenceCache] = OrderedDict()
         self._sizes: dict[str, int] = {}  # bytes accounted per entry when it was last put
+        self._retired: OrderedDict[str, None] = OrderedDict()  # released, kept as prefix donors; oldest first
+        self._index: dict[int, str] = {}  # block key -> a sequence id that held that prefix
+        self._keys: dict[str, list[int]] = {}  # sequence id -> the block keys indexed for it, in order
         self.nbytes = 0
         self.evictions = 0
+        self.prefix_hit_tokens = 0  # prompt tokens not recomputed thanks to another sequence's cache
         self._lock = threading.RLock()
 
     def __contains__(self, seq_id: str) -> bool:
-        return seq_id in self._entries
+        return seq_id in self._entries and seq_id not in self._retired
 
     def __len__(self) -> int:
-        return len(self._entries)
+        """Live sequences (retired prefix donors not counted)."""
+        return len(self._entries) - len(self._retired)
 
     def get(self, seq_id: str) -> SequenceCache | None:
         with self._lock:
@@ -107,20 +135,83 @@ class KVStore:
                 self._entries.move_to_end(seq_id)
             return entry
 
-    def put(self, seq_id: str, entry: SequenceCache) -> None:
-        """Store (or re-account, after it grew) a sequence's cache, evicting the least recently used."""
+    def borrow(self, token_ids: list[int], limit: int) -> SequenceCache | None:
+        """A new cache holding a copy of the longest cached prefix of token_ids (at most `limit`
+        positions, at least one block), or None."""
         with self._lock:
-            self.drop(seq_id)
+            donor = None
+            for end, key in block_keys(token_ids[:limit]):
+                seq_id = self._index.get(key)
+                if seq_id is None:
+                    break
+                donor = seq_id
+            entry = self._entries.get(donor) if donor is not None else None
+            if entry is None:
+                return None
+            n = min(common_prefix(entry.token_ids, token_ids), limit)
+            if n < PREFIX_BLOCK:
+                return None
+            self.prefix_hit_tokens += n
+            if donor in self._retired:
+                self._retired.move_to_end(donor)  # recently useful: evicted last among the retired
+            return entry.copy_prefix(n)
+
+    def put(self, seq_id: str, entry: SequenceCache) -> None:
+        """Store (or re-account, after it grew) a sequence's cache, live (a retired one stored again is
+        live again). Room is made first, so readers on another thread never see the budget exceeded:
+        retired sequences go first, then the least recently used live ones. An entry larger than
+        the whole budget is not kept."""
+        with self._lock:
+            self._forget(seq_id)
+            while self._entries and self.nbytes + entry.nbytes > self.max_bytes:
+                # an evicted sequence is recomputed from its token ids on its next call: slower, never wrong
+                self.drop(next(iter(self._retired)) if self._retired else next(iter(self._entries)))
+                self.evictions += 1
+            if entry.nbytes > self.max_bytes:
+                self.drop(seq_id)
+                self.evictions += 1
+                return
             self._entries[seq_id] = entry
             self._sizes[seq_id] = entry.nbytes
             self.nbytes += entry.nbytes
-            while self.nbytes > self.max_bytes and self._entries:
-                # an evicted sequence is recomputed from its token ids on its next call: slower, never wrong
-                old_id, _ = self._entries.popitem(last=False)
-                self.nbytes -= self._sizes.pop(old_id)
-                self.evictions += 1
+            self._reindex(seq_id, entry.token_ids)
+
+    def retire(self, seq_id: str) -> None:
+        """A finished sequence: keep its KV as a prefix donor while the budget has room."""
+        with self._lock:
+            if seq_id in self._entries:
+                self._retired[seq_id] = None
+                self._retired.move_to_end(seq_id)
 
     def drop(self, seq_id: str) -> None:
+        """Free a sequence's cache now."""
         with self._lock:
-            if self._entries.pop(seq_id, None) is not None:
-                self.nbytes -= self._sizes.pop(seq_id)
+            self._forget(seq_id)
+            self._unindex(seq_id, 0)
+
+    def _reindex(self, seq_id: str, token_ids: list[int]) -> None:
+        """Index the whole blocks of token_ids; blocks indexed before that no longer match are replaced.
+        Hashing a sequence's blocks costs about a microsecond per block and runs once per round."""
+        keys = [key for _, key in block_keys(token_ids)]
+        old = self._keys.get(seq_id, [])
+        same = next((i for i, (a, b) in enumerate(zip(old, keys)) if a != b), min(len(old), len(keys)))
+        self._unindex(seq_id, same)
+        for key in keys[same:]:
+            self._index[key] = seq_id
+        if keys:
+            self._keys[seq_id] = keys
+
+    def _unindex(self, seq_id: str, blocks: int) -> None:
+        """Keep only the first `blocks` index entries of seq_id."""
+        keys = self._keys.get(seq_id, [])
+        for key in keys[blocks:]:
+            if self._index.get(key) == seq_id:
+                del self._index[key]
+        del keys[blocks:]
+        if not keys:
+            self._keys.pop(seq_id, None)
+
+    def _forget(self, seq_id: str) -> None:
+        if self._entries.pop(seq_id, None) is not None:
+            self.nbytes -= self._sizes.pop(seq_id)
+        self._retired.pop(seq_id, None)

@@ -80,8 +80,8 @@ class ModelRunner:
         return RaggedBatch(self, seqs) if self.ragged else Batch(self, seqs)
 
     def release(self, seq_id: str) -> None:
-        """Free a finished or cancelled sequence's cache."""
-        self.cache.drop(seq_id)
+        """A finished or cancelled sequence: its cache stays only as a prefix donor for others."""
+        self.cache.retire(seq_id)
 
 
 class RaggedBatch:
@@ -101,12 +101,14 @@ class RaggedBatch:
         for s in seqs:
             if not 1 <= s.num_logits <= len(s.token_ids):
                 raise ValueError(f"num_logits must be in [1, {len(s.token_ids)}], got {s.num_logits}")
+            limit = len(s.token_ids) - s.num_logits
             entry = runner.cache.get(s.seq_id)
-            reuse = common_prefix(entry.token_ids, s.token_ids) if entry else 0
-            reuse = min(reuse, len(s.token_ids) - s.num_logits)
+            borrowed = entry is None and runner.cache.borrow(s.token_ids, limit)
+            entry = borrowed or entry
+            reuse = min(common_prefix(entry.token_ids, s.token_ids), limit) if entry else 0
             if entry is None:
                 entry = SequenceCache([], [])
-            elif s.seq_id in used:
+            elif s.seq_id in used and not borrowed:
                 entry = entry.copy_prefix(reuse)
             entry.token_ids = entry.token_ids[:reuse]  # forgotten now: a failed forward leaves it valid
             used.add(s.seq_id)
@@ -222,7 +224,7 @@ class Batch:
         for s in seqs:
             if not 1 <= s.num_logits <= len(s.token_ids):
                 raise ValueError(f"num_logits must be in [1, {len(s.token_ids)}], got {s.num_logits}")
-            entry = runner.cache.get(s.seq_id)
+            entry = runner.cache.get(s.seq_id) or runner.cache.borrow(s.token_ids, len(s.token_ids) - s.num_logits)
             m = common_prefix(entry.token_ids, s.token_ids) if entry else 0
             reuse.append(min(m, len(s.token_ids) - s.num_logits))
             entries.append(entry)

@@ -16,6 +16,8 @@ from pathlib import Path
 
 import yaml
 
+from cluster.local import SERVE_ENV
+
 CONFIG = Path(__file__).with_name("serve_config.yaml")
 OUT = Path(__file__).resolve().parents[1] / "k8s"
 RAY_VERSION = "2.60.0"  # tests check it equals the installed ray: the image must match what was tested
@@ -89,8 +91,8 @@ def image(v: Variant) -> str:
 
 
 def env(v: Variant) -> list[dict]:
-    """Secrets by reference, the same on every Ray container (the ingress and build_app run anywhere)."""
-    out = []
+    """Serve's runtime profile and secrets by reference, the same on every Ray container (the ingress and build_app run anywhere)."""
+    out = [{"name": var, "value": value} for var, value in SERVE_ENV.items()]
     for var, (secret, key, optional) in v.secrets.items():
         ref = {"name": secret, "key": key, **({"optional": True} if optional else {})}
         out.append({"name": var, "valueFrom": {"secretKeyRef": ref}})

@@ -112,8 +112,12 @@ class ServerMetrics:
     def __init__(self):
         self.batch_size = Histogram(_name("batch_size"), "Items (rounds of sequences) in one forward.",
                                     boundaries=BATCH)
-        self.kv_bytes = Gauge(_name("kv_cache_bytes"), "KV cache bytes held by this replica.")
-        self.kv_sequences = Gauge(_name("kv_cache_sequences"), "Sequences with a KV cache on this replica.")
+        self.kv_bytes = Gauge(_name("kv_cache_bytes"),
+                              "KV cache bytes held by this replica (finished sequences kept as prefix donors included).")
+        self.kv_sequences = Gauge(_name("kv_cache_sequences"), "Live sequences with a KV cache on this replica.")
+        self.prefix_hits = Counter(_name("prefix_cache_hit_tokens"),
+                                   "Prompt tokens not computed: copied from another sequence's cached prefix.")
+        self._prefix_hits_seen = 0
 
     def batch(self, size: int, cache) -> None:
         """After a batch: its size and the cache it left."""
@@ -123,3 +127,6 @@ class ServerMetrics:
     def cache(self, cache) -> None:
         self.kv_bytes.set(cache.nbytes)
         self.kv_sequences.set(len(cache))
+        if cache.prefix_hit_tokens > self._prefix_hits_seen:
+            self.prefix_hits.inc(cache.prefix_hit_tokens - self._prefix_hits_seen)
+            self._prefix_hits_seen = cache.prefix_hit_tokens

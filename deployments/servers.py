@@ -98,7 +98,7 @@ class _Server:
         cache = self.cache
         return {"replica": self.replica_id, "node_id": ray.get_runtime_context().get_node_id(),
                 "kv_cache_bytes": cache.nbytes, "sequences": len(cache), "evictions": cache.evictions,
-                "served": self.served}
+                "prefix_hit_tokens": cache.prefix_hit_tokens, "served": self.served}
 
     async def check_health(self) -> None:
         """Serve's health check: the model must be loaded."""

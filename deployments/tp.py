@@ -50,10 +50,11 @@ class CacheSnapshot:
     nbytes: int = 0
     sequences: int = 0
     evictions: int = 0
+    prefix_hit_tokens: int = 0
 
     @classmethod
     def of(cls, store) -> "CacheSnapshot":
-        return cls(store.nbytes, len(store), store.evictions)
+        return cls(store.nbytes, len(store), store.evictions, store.prefix_hit_tokens)
 
     def __len__(self) -> int:
         return self.sequences

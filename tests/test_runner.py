@@ -80,11 +80,65 @@ def test_eviction_under_tiny_budget_keeps_logits(target_model, tokenizer):
     assert tiny.cache.evictions > 0
 
 
-def test_release_frees_the_cache(target_runner):
-    target_runner.forward([SeqInput("a", random_ids(8, 12))])
-    assert "a" in target_runner.cache and target_runner.cache.nbytes > 0
-    target_runner.release("a")
-    assert "a" not in target_runner.cache and target_runner.cache.nbytes == 0
+def test_release_retires_the_cache_and_its_room_goes_first(target_model, tokenizer):
+    runner = ModelRunner(target_model, tokenizer)
+    runner.forward([SeqInput("a", random_ids(8, 40)), SeqInput("b", random_ids(9, 40))])
+    runner.release("a")
+    assert "a" not in runner.cache and len(runner.cache) == 1  # not live: only a prefix donor
+    one = runner.cache.get("b").nbytes
+    runner.cache.max_bytes = 2 * one  # room for two: the next sequence must evict one
+    runner.forward([SeqInput("c", random_ids(10, 40))])
+    assert runner.cache.evictions == 1 and runner.cache.get("b") is not None  # the retired one went, not b
+    runner.cache.drop("b")
+    runner.cache.drop("c")
+    assert runner.cache.nbytes == 0 and len(runner.cache) == 0
+
+
+def test_new_sequence_reuses_another_sequences_prefix_exactly(target_runner, target_model):
+    system = random_ids(11, 37)  # a shared system prompt: two whole blocks and a bit
+    a, b = system + random_ids(12, 6), system + random_ids(13, 9)
+    target_runner.forward([SeqInput("a", a)])
+    target_runner.release("a")  # finished: its KV stays a donor
+    batch = target_runner.open([SeqInput("b", b, 3)])
+    assert batch.recomputed == len(b) - len(system)  # the exact common prefix, not just whole blocks
+    assert target_runner.cache.prefix_hit_tokens == len(system)
+    torch.testing.assert_close(batch.logits[0], fresh_logits(target_model, b, 3), atol=ATOL, rtol=0)
+    batch.close([len(b)])
+    # the donor's cache was copied, never written: a second borrower still sees a's tokens exactly
+    c = a[:40] + random_ids(14, 4)
+    (logits,) = target_runner.forward([SeqInput("c", c, 4)])
+    torch.testing.assert_close(logits, fresh_logits(target_model, c, 4), atol=ATOL, rtol=0)
+
+
+def test_prefix_donor_in_the_same_batch_and_short_matches(target_runner, target_model):
+    shared = random_ids(15, 33)
+    target_runner.forward([SeqInput("a", shared)])
+    a2 = shared + random_ids(16, 3)  # a continues while b, sharing its prompt, starts beside it
+    b = shared[:20] + random_ids(17, 5)
+    short = shared[:10] + random_ids(18, 10)  # under one block in common: computed whole
+    batch = target_runner.open([SeqInput("a", a2, 3), SeqInput("b", b, 1), SeqInput("s", short, 1)])
+    assert batch.recomputed == 3 + 5 + 20
+    for logits, ids, n in zip(batch.logits, (a2, b, short), (3, 1, 1)):
+        torch.testing.assert_close(logits, fresh_logits(target_model, ids, n), atol=ATOL, rtol=0)
+    batch.close([len(a2), len(b), len(short)])
+    assert target_runner.cache.get("a").token_ids == a2
+
+
+def test_prefix_index_is_confirmed_on_tokens():
+    from app.kv import PREFIX_BLOCK, KVStore, SequenceCache
+
+    store = KVStore(1 << 20)
+    slab = [(torch.zeros(1, 64, 2), torch.zeros(1, 64, 2))]
+    ids = list(range(2 * PREFIX_BLOCK + 3))
+    store.put("a", SequenceCache(list(ids), slab))
+    assert len(store.borrow(ids + [7], limit=len(ids))) == len(ids)
+    assert len(store.borrow(ids, limit=PREFIX_BLOCK + 1)) == PREFIX_BLOCK + 1  # never past the limit
+    store.get("a").token_ids[5] = -1  # the entry changed without a put: the stale index must not be trusted
+    assert store.borrow(ids, limit=len(ids)) is None
+    store.put("a", SequenceCache(ids[:PREFIX_BLOCK + 4] + [99] * 8, slab))  # re-put: blocks past 20 reindexed
+    assert len(store.borrow(ids, limit=len(ids))) == PREFIX_BLOCK + 4
+    store.drop("a")
+    assert store.borrow(ids, limit=len(ids)) is None and not store._index
 
 
 def test_rounds_of_changing_batches_keep_every_cache_exact(target_runner, target_model):

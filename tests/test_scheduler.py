@@ -210,7 +210,7 @@ def test_a_release_during_the_forward_computing_the_sequence_still_frees_it(targ
         queue = ForwardQueue(forward, target_runner.release, name="test")
         await queue.submit(type("I", (), {"seq_id": "a", "trace": None})())
     asyncio.run(go())
-    assert "a" not in target_runner.cache and target_runner.cache.nbytes == 0
+    assert "a" not in target_runner.cache and len(target_runner.cache) == 0  # retired again after the forward
 
 
 class CancelsItsCalls:
