@@ -67,6 +67,7 @@ class CostEstimator:
         self.config = config or CostConfig()
         self._draft_step_s: float | None = None  # EMA of one draft step's seconds
         self._target_round_s: float | None = None  # EMA of one verify round's seconds
+        self._draft_latency_s: float | None = None  # EMA of a proposal's round trip, asked to answered
 
     def observe(self, draft_seconds: float, draft_steps: int, target_seconds: float) -> None:
         """Record one round: draft time for `draft_steps` (= K) steps and the target's time."""
@@ -75,6 +76,16 @@ class CostEstimator:
             self._draft_step_s = _ema(self._draft_step_s, draft_seconds / draft_steps, w)
         if target_seconds > 0:
             self._target_round_s = _ema(self._target_round_s, target_seconds, w)
+
+    def observe_latency(self, seconds: float) -> None:
+        """Record how long one proposal took from request to answer (drafted ahead or not)."""
+        self._draft_latency_s = _ema(self._draft_latency_s, seconds, self.config.weight)
+
+    @property
+    def draft_keeps_up(self) -> bool:
+        """Whether a proposal asked for now is usually in hand before a verify round ends."""
+        return (self._draft_latency_s is not None and self._target_round_s is not None
+                and self._draft_latency_s < self._target_round_s)
 
     @property
     def c(self) -> float:

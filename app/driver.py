@@ -13,6 +13,14 @@ draft's own guess of it. If so, round n+1 starts with its proposal in hand. A pr
 function of the context alone (its draws are addressed by position), so using it changes timing,
 never tokens.
 
+Never wait with company: a greedy or unseeded request whose next proposal is not in hand while
+other sequences share its target does not wait for the draft (its rounds would drift out of step
+with theirs and every forward would carry fewer of them). It runs this round as a plain target step
+in the same forward and lets the draft propose from here; when the target's token is the draft's
+first, the rest of that proposal is next round's. Alone on its target, it waits: nothing to miss.
+A seeded sampled request always waits: its draws depend on each round's K, which must not depend
+on load.
+
 Fail open, per sequence: a draft that errs or misses its deadline turns this sequence's rounds
 into plain target steps for a while; no other sequence is touched.
 """
@@ -87,9 +95,10 @@ class Rounds:
 
     def __init__(self, state: RequestState, propose: ProposeFn | None, verify: VerifyFn, controller: KController,
                  costs: CostEstimator, verify_cost: Callable[[], float] = lambda: 0.0,
-                 policy: DraftPolicy | None = None):
+                 policy: DraftPolicy | None = None, company: Callable[[], bool] = lambda: False):
         self.state, self.propose, self.verify = state, propose, verify
         self.controller, self.costs, self.verify_cost = controller, costs, verify_cost
+        self.company = company  # whether other sequences share this one's target forwards
         self.policy = policy or DraftPolicy()
         self.ahead: _Ahead | None = None
         self.draft_down_until = float("-inf")
@@ -106,9 +115,22 @@ class Rounds:
             fallback = self.down_reason
         elif k > 0:
             t0 = time.perf_counter()
-            ahead_hit = self._ahead_matches() if self.ahead is not None else None
+            # output that does not depend on K: greedy, or sampled without a seed
+            flexible = state.params.greedy or state.params.seed is None
+            ready = self._ready_ahead(flexible)
+            exact = self.ahead is not None and self.ahead.context == state.token_ids
             try:
-                proposal = await (self._await_ahead() if ahead_hit else self._draft(state.token_ids, k))
+                if ready is not None:
+                    proposal, ahead_hit = ready, True
+                elif flexible and self.policy.ahead and self.company() and self.costs.draft_keeps_up:
+                    fallback = "draft_behind"  # waiting would cost this sequence its place in the next forward
+                    if not exact:
+                        ahead_hit = False if self.ahead is not None else None
+                        self._cancel_ahead()
+                        self._ask_ahead(list(state.token_ids), k + 1)
+                else:
+                    ahead_hit = exact if self.ahead is not None else None
+                    proposal = await (self._await_ahead() if exact else self._draft(state.token_ids, k))
             except DraftUnavailable as e:
                 fallback, self.down_reason = e.reason, e.reason
                 self.draft_down_until = clock() + self.policy.retry_after_s
@@ -117,7 +139,8 @@ class Rounds:
             t_draft = time.perf_counter() - t0
         elif wanted == 0 and self.propose and state.params.speculation.pinned_k() != 0:
             fallback = "controller"  # speculation is on, but the controller found it would not pay
-        self._cancel_ahead()
+        if fallback != "draft_behind":
+            self._cancel_ahead()
         if proposal.tokens and self.policy.ahead and proposal.guess is not None:
             self._draft_ahead(proposal)
         t0 = time.perf_counter()
@@ -142,7 +165,10 @@ class Rounds:
             with telemetry.span("draft.propose", attributes={"specserve.k": k}):
                 item = ProposeItem(state.request_id, context, k, state.params, state.seed,
                                    trace=telemetry.carrier(), guess=self.policy.ahead)
-                return await asyncio.wait_for(self.propose(item), self.policy.timeout_s)
+                t0 = time.perf_counter()
+                proposal = await asyncio.wait_for(self.propose(item), self.policy.timeout_s)
+                self.costs.observe_latency(time.perf_counter() - t0)
+                return proposal
         except asyncio.TimeoutError:
             raise DraftUnavailable(f"no proposal within {self.policy.timeout_s}s", "deadline") from None
         except asyncio.CancelledError:
@@ -163,24 +189,40 @@ class Rounds:
         k = within_room(state, likely.choose(*_costs(state, self.costs, self.verify_cost)), emitted)
         if k <= 0:
             return
-        context = state.token_ids + proposal.tokens + [proposal.guess]
+        self._ask_ahead(state.token_ids + proposal.tokens + [proposal.guess], k)
+
+    def _ask_ahead(self, context: list[int], k: int) -> None:
         self.ahead = _Ahead(context, asyncio.ensure_future(self._draft(context, k)), time.perf_counter())
 
-    def _ahead_matches(self) -> bool:
-        """Whether the proposal drafted ahead is for this round's context (a hit) or not (a miss).
+    def _ready_ahead(self, flexible: bool) -> Proposal | None:
+        """The proposal drafted ahead, if it is in hand and fits this round's context; consumed.
 
-        On a hit its first min(k, K ahead) tokens are used. A seeded sampled request's K depends on its
-        own history only, so there the two are equal; greedy output does not depend on K, and an
-        unseeded request's distribution does not either.
+        It fits when it was drafted for exactly this context, or (flexible requests) for this context
+        less its last token and the draft's first token is that token. Its first min(k, K ahead) tokens
+        are then used: a seeded sampled request's K depends on its own history only, so there the two
+        are equal, and it never takes the shifted form, which is one token shorter; greedy output does
+        not depend on K, and an unseeded request's distribution does not either.
         """
-        a = self.ahead
-        return a is not None and a.context == self.state.token_ids
+        a, context = self.ahead, self.state.token_ids
+        if a is None or not a.task.done() or a.task.cancelled() or a.task.exception() is not None:
+            return None
+        proposal = a.task.result()
+        if a.context != context:
+            shifted = len(context) == len(a.context) + 1 and context[:-1] == a.context
+            proposal = proposal.after(context[-1]) if flexible and shifted else None
+            if proposal is None:
+                return None
+        self.ahead = None
+        return self._hidden(proposal, a, time.perf_counter())
 
     async def _await_ahead(self) -> Proposal:
         a, self.ahead = self.ahead, None
         waited = time.perf_counter()
-        proposal = await a.task
-        # the part of the draft's round trip that ran while the previous round verified
+        return self._hidden(await a.task, a, waited)
+
+    @staticmethod
+    def _hidden(proposal: Proposal, a: _Ahead, waited: float) -> Proposal:
+        """The proposal with the part of the draft's round trip that ran while earlier rounds verified."""
         hidden = max(0.0, waited - a.started)
         return Proposal(proposal.tokens, proposal.q_ids, proposal.q_probs, {**proposal.stats, "hidden_s": hidden},
                         proposal.guess)
@@ -211,12 +253,13 @@ async def run_rounds(
     observer: RoundObserver = NoObserver(),
     trace_parent: telemetry.Parent = None,
     policy: DraftPolicy | None = None,
+    company: Callable[[], bool] = lambda: False,
 ) -> AsyncIterator[list[int]]:
     """Drive rounds until the request stops; yields the tokens each round kept.
 
     Each round is a span (child of `trace_parent`) and is reported to `observer`.
     """
-    rounds = Rounds(state, propose, verify, controller, costs, verify_cost, policy)
+    rounds = Rounds(state, propose, verify, controller, costs, verify_cost, policy, company)
     try:
         while not state.finished:
             # the span ends before the yield: a span must not stay current while the caller runs

@@ -58,6 +58,90 @@ class Transport(Protocol):
 
     async def submit(self, item): ...
 
+    async def release(self, seq_id: str) -> None: ...
+
+
+class Engine:
+    """Serves many requests at once by batching their rounds continuously (app.driver).
+
+    In process both models are local forward queues; a TargetServer replica builds the same engine
+    over its own forward queue and a client of the draft pool (deployments.servers).
+    """
+
+    def __init__(self, target: ModelRunner | Transport, draft: ModelRunner | Transport | None = None, *,
+                 tokenizer=None, vocab_size: int | None = None, max_context: int | None = None,
+                 k_max: int = 8, draft_top_n: int = 32, policy: DraftPolicy | None = None,
+                 verify_cost: Callable[[], float] = lambda: 0.0):
+        # the local runners, when in process (benchmarks read their models); None when remote
+        self.target = target if isinstance(target, ModelRunner) else None
+        self.draft = draft if isinstance(draft, ModelRunner) else None
+        if isinstance(target, ModelRunner):
+            tokenizer, vocab_size, max_context = target.tokenizer, target.vocab_size, target.max_context
+            if isinstance(draft, ModelRunner):
+                check_vocabularies(target.tokenizer, draft.tokenizer)
+            target = ForwardQueue(in_thread(functools.partial(verify, target)), target.release,
+                                  name="TargetServer.verify")
+        if isinstance(draft, ModelRunner):
+            draft = ForwardQueue(in_thread(functools.partial(propose, draft, top_n=draft_top_n)), draft.release,
+                                 name="DraftServer.propose")
+        self.verifier, self.drafter = target, draft
+        self.tokenizer, self.vocab_size, self.max_context = tokenizer, vocab_size, max_context
+        self.k_max = k_max
+        self.policy = policy or DraftPolicy()
+        self.verify_cost = verify_cost
+        self.costs = CostEstimator()
+        self.active = 0  # requests whose rounds run now: with company, a round never waits for the draft
+
+    @classmethod
+    def from_config(cls, config: EngineConfig) -> "Engine":
+        def load(path: str, dtype: str) -> ModelRunner:
+            return ModelRunner.from_pretrained(path, dtype=dtype, device=config.device,
+                                               max_cache_bytes=config.max_cache_bytes,
+                                               trust_remote_code=config.trust_remote_code)
+        target = load(config.target, config.dtype)
+        draft = load(config.draft, config.draft_dtype) if config.draft else None
+        return cls(target, draft, k_max=config.k_max, draft_top_n=config.draft_top_n,
+                   policy=DraftPolicy(ahead=config.draft_ahead))
+
+    @classmethod
+    def from_pretrained(cls, target: str, draft: str | None = None, **kwargs) -> "Engine":
+        """Build an engine from two model paths or hub ids; kwargs are EngineConfig fields."""
+        return cls.from_config(EngineConfig(target=target, draft=draft, **kwargs))
+
+    def new_request(self, prompt: str | list[int], params: SamplingParams | dict | None = None,
+                    request_id: str | None = None) -> RequestState:
+        """Validate and tokenize one request."""
+        params = parse_sampling(params)
+        pinned = params.speculation.pinned_k()
+        if pinned is not None and pinned > self.k_max:
+            raise InvalidRequestError(f"speculation.num_tokens must be <= {self.k_max}", param="speculation.num_tokens")
+        if isinstance(prompt, str):
+            ids = self.tokenizer(prompt, add_special_tokens=True)["input_ids"] if prompt else []
+        else:
+            ids = list(prompt)
+            if any(not isinstance(t, int) or not 0 <= t < self.vocab_size for t in ids):
+                raise InvalidRequestError(f"prompt token ids must be in [0, {self.vocab_size})", param="prompt")
+        return RequestState(request_id or uuid.uuid4().hex, ids, params, self.tokenizer, self.max_context)
+
+    def controller(self, params: SamplingParams) -> KController:
+        pinned = params.speculation.pinned_k() if self.drafter else 0
+        return KController(KControllerConfig(k_max=self.k_max), pinned_k=pinned)
+
+    async def stream(self, state: RequestState, controller: KController | None = None,
+                     observer: RoundObserver = NoObserver(), trace_parent: telemetry.Parent = None
+                     ) -> AsyncIterator[list[int]]:
+        """Run one request's rounds, yielding the tokens each round kept; frees its caches after."""
+        self.active += 1
+        try:
+            async for kept in run_rounds(state, self.drafter.submit if self.drafter else None, self.verifier.submit,
+                                         controller or self.controller(state.params), self.costs, self.verify_cost,
+                                         observer, trace_parent, self.policy, lambda: self.active > 1):
+                yield kept
+        finally:
+            self.active -= 1
+            # shielded: a cancelled request (client gone) must still free its caches
+            await asyncio.shield(asyncio.ensure_future(self.release(state.request_id)))
+
     async def run_job(self, job: GenerationJob, observer: RoundObserver = NoObserver(),
                       trace_parent: telemetry.Parent = None) -> AsyncIterator[dict]:
         """Run (or resume) a request: chunks {token_ids, text, controller}, then a last chunk with
@@ -104,102 +188,6 @@ class Transport(Protocol):
                            "usage": {"prompt_tokens": prompt, "completion_tokens": completion,
                                      "total_tokens": prompt + completion},
                            "speculation": state.stats.summary()})
-
-    async def release(self, seq_id: str) -> None: ...
-
-
-class Engine:
-    """Serves many requests at once by batching their rounds continuously (app.driver).
-
-    In process both models are local forward queues; a TargetServer replica builds the same engine
-    over its own forward queue and a client of the draft pool (deployments.servers).
-    """
-
-    def __init__(self, target: ModelRunner | Transport, draft: ModelRunner | Transport | None = None, *,
-                 tokenizer=None, vocab_size: int | None = None, max_context: int | None = None,
-                 k_max: int = 8, draft_top_n: int = 32, policy: DraftPolicy | None = None,
-                 verify_cost: Callable[[], float] = lambda: 0.0):
-        # the local runners, when in process (benchmarks read their models); None when remote
-        self.target = target if isinstance(target, ModelRunner) else None
-        self.draft = draft if isinstance(draft, ModelRunner) else None
-        if isinstance(target, ModelRunner):
-            tokenizer, vocab_size, max_context = target.tokenizer, target.vocab_size, target.max_context
-            if isinstance(draft, ModelRunner):
-                check_vocabularies(target.tokenizer, draft.tokenizer)
-            target = ForwardQueue(in_thread(functools.partial(verify, target)), target.release,
-                                  name="TargetServer.verify")
-        if isinstance(draft, ModelRunner):
-            draft = ForwardQueue(in_thread(functools.partial(propose, draft, top_n=draft_top_n)), draft.release,
-                                 name="DraftServer.propose")
-        self.verifier, self.drafter = target, draft
-        self.tokenizer, self.vocab_size, self.max_context = tokenizer, vocab_size, max_context
-        self.k_max = k_max
-        self.policy = policy or DraftPolicy()
-        self.verify_cost = verify_cost
-        self.costs = CostEstimator()
-
-    @classmethod
-    def from_config(cls, config: EngineConfig) -> "Engine":
-        def load(path: str, dtype: str) -> ModelRunner:
-            return ModelRunner.from_pretrained(path, dtype=dtype, device=config.device,
-                                               max_cache_bytes=config.max_cache_bytes,
-                                               trust_remote_code=config.trust_remote_code)
-        target = load(config.target, config.dtype)
-        draft = load(config.draft, config.draft_dtype) if config.draft else None
-        return cls(target, draft, k_max=config.k_max, draft_top_n=config.draft_top_n,
-                   policy=DraftPolicy(ahead=config.draft_ahead))
-
-    @classmethod
-    def from_pretrained(cls, target: str, draft: str | None = None, **kwargs) -> "Engine":
-        """Build an engine from two model paths or hub ids; kwargs are EngineConfig fields."""
-        return cls.from_config(EngineConfig(target=target, draft=draft, **kwargs))
-
-    def new_request(self, prompt: str | list[int], params: SamplingParams | dict | None = None,
-                    request_id: str | None = None) -> RequestState:
-        """Validate and tokenize one request."""
-        params = parse_sampling(params)
-        pinned = params.speculation.pinned_k()
-        if pinned is not None and pinned > self.k_max:
-            raise InvalidRequestError(f"speculation.num_tokens must be <= {self.k_max}", param="speculation.num_tokens")
-        if isinstance(prompt, str):
-            ids = self.tokenizer(prompt, add_special_tokens=True)["input_ids"] if prompt else []
-        else:
-            ids = list(prompt)
-            if any(not isinstance(t, int) or not 0 <= t < self.vocab_size for t in ids):
-                raise InvalidRequestError(f"prompt token ids must be in [0, {self.vocab_size})", param="prompt")
-        return RequestState(request_id or uuid.uuid4().hex, ids, params, self.tokenizer, self.max_context)
-
-    def controller(self, params: SamplingParams) -> KController:
-        pinned = params.speculation.pinned_k() if self.drafter else 0
-        return KController(KControllerConfig(k_max=self.k_max), pinned_k=pinned)
-
-    async def stream(self, state: RequestState, controller: KController | None = None,
-                     observer: RoundObserver = NoObserver(), trace_parent: telemetry.Parent = None
-                     ) -> AsyncIterator[list[int]]:
-        """Run one request's rounds, yielding the tokens each round kept; frees its caches after."""
-        try:
-            async for kept in run_rounds(state, self.drafter.submit if self.drafter else None, self.verifier.submit,
-                                         controller or self.controller(state.params), self.costs, self.verify_cost,
-                                         observer, trace_parent, self.policy):
-                yield kept
-        finally:
-            # shielded: a cancelled request (client gone) must still free its caches
-            await asyncio.shield(asyncio.ensure_future(self.release(state.request_id)))
-
-    async def run_job(self, job: GenerationJob, observer: RoundObserver = NoObserver(),
-                      trace_parent: telemetry.Parent = None) -> AsyncIterator[dict]:
-        """Run (or resume) a request: a chunk {token_ids, text, controller} per round, then a last chunk
-        with finish_reason, usage and speculation stats. What a TargetServer replica streams."""
-        state = job.state(self.tokenizer, self.max_context)
-        controller = self.controller(state.params).restore(job.controller)
-        async for kept in self.stream(state, controller, observer, trace_parent):
-            delta = state.take_delta()
-            if kept or delta:
-                yield {"token_ids": kept, "text": delta, "controller": controller.snapshot()}
-        prompt, completion = len(job.prompt_ids), len(state.output_ids)
-        yield {"token_ids": [], "text": state.take_delta(), "finish_reason": state.finish_reason,
-               "usage": {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion},
-               "speculation": state.stats.summary()}
 
     async def release(self, seq_id: str) -> None:
         """Free a request's caches on both models (a release that fails is the remote replica's loss)."""

@@ -42,6 +42,13 @@ class Proposal:
             return self
         return Proposal(self.tokens[:k], self.q_ids[:k], self.q_probs[:k], self.stats)
 
+    def after(self, token: int) -> "Proposal | None":
+        """The proposal for the context extended by `token`, when the draft's first token was that token:
+        its other tokens (drawn at the same positions from the same context) and its guess; else None."""
+        if len(self.tokens) < 2 or self.tokens[0] != token:
+            return None
+        return Proposal(self.tokens[1:], self.q_ids[1:], self.q_probs[1:], self.stats, self.guess)
+
     @classmethod
     def empty(cls) -> "Proposal":
         return cls([], torch.zeros(0, 1, dtype=torch.long), torch.zeros(0, 1))
