@@ -4,6 +4,7 @@ Ray's own `ray.cluster_utils.Cluster` starts the nodes (several raylets on one m
 module adds the pools and deploys a Serve config onto them the way `serve run` does.
 """
 
+import contextlib
 import copy
 import os
 import time
@@ -13,7 +14,7 @@ import yaml
 
 CONFIG = Path(__file__).with_name("serve_config.yaml")
 DRAFT_POOL, TARGET_POOL = "draft_pool", "target_pool"
-# Ray Serve's own throughput profile, on every Ray process (the k8s manifests set the same): the
+# Ray Serve's own throughput profile, on every process of the cluster (the k8s manifests set the same): the
 # ingress replica answers HTTP itself (direct ingress), deployments call each other over gRPC, and
 # replica code runs on the replica's main event loop, not a second thread. Measured with
 # `specserve bench --url` at 16 streams: 190 -> 250 tok/s target-only, 163 -> 280 speculative;
@@ -44,8 +45,6 @@ class LocalCluster:
         # Ray rewrites 127.0.0.1 to the machine's outward address unless it believes it is a
         # single-machine cluster: keep every address (GCS, raylets, workers) on loopback
         os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
-        for var, value in SERVE_ENV.items():  # before the nodes start: every Ray process inherits it
-            os.environ.setdefault(var, value)
         import ray
         from ray._private import ray_constants
         from ray.cluster_utils import Cluster
@@ -57,9 +56,10 @@ class LocalCluster:
         head = {**common, "resources": {TARGET_POOL: self.slots}}
         if self.system_config:
             head["_system_config"] = self.system_config  # the head's system config applies cluster-wide
-        self.cluster = Cluster(initialize_head=True, connect=False, head_node_args=head)
-        for _ in range(self.draft_nodes):
-            self.cluster.add_node(num_cpus=self.cpus, resources={DRAFT_POOL: self.slots}, node_ip_address="127.0.0.1")
+        with _environment(SERVE_ENV):  # the nodes' processes inherit it; this one (a driver) does not
+            self.cluster = Cluster(initialize_head=True, connect=False, head_node_args=head)
+            for _ in range(self.draft_nodes):
+                self.cluster.add_node(num_cpus=self.cpus, resources={DRAFT_POOL: self.slots}, node_ip_address="127.0.0.1")
         self.cluster.wait_for_nodes()
         ray.init(address=self.cluster.address, namespace="specserve", log_to_driver=False)
         return self
@@ -80,6 +80,21 @@ class LocalCluster:
             ray.shutdown()
             self.cluster.shutdown()
             self.cluster = None
+
+
+@contextlib.contextmanager
+def _environment(values: dict):
+    """Environment variables set (where not set already) for the duration of the block.
+
+    The throughput profile is for the cluster's processes: a driver with it could no longer use a
+    Serve handle outside an event loop (its handles would route on the caller's loop)."""
+    added = {k: v for k, v in values.items() if k not in os.environ}
+    os.environ.update(added)
+    try:
+        yield
+    finally:
+        for k in added:
+            os.environ.pop(k, None)
 
 
 def load_config(path: str | Path | None = CONFIG, args: dict | None = None, deployments: dict | None = None,

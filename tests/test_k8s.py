@@ -396,6 +396,28 @@ def test_committed_files_match_the_generator(name):
 
 
 @pytest.mark.parametrize("variant", gen.VARIANTS, ids=lambda v: v.file)
+def test_every_ray_container_runs_serves_throughput_profile(variant):
+    from cluster.local import SERVE_ENV
+
+    rs = load(K8S / variant.file)
+    for name, group in groups(rs):
+        for c in containers(group):
+            env = {e["name"]: e.get("value") for e in c.get("env", [])}
+            assert {k: env.get(k) for k in SERVE_ENV} == SERVE_ENV, f"{variant.file}: {name}"
+
+
+def test_the_local_clusters_driver_keeps_serves_defaults(monkeypatch):
+    from cluster.local import SERVE_ENV, _environment
+
+    for k in SERVE_ENV:
+        monkeypatch.delenv(k, raising=False)
+    monkeypatch.setenv("RAY_SERVE_THROUGHPUT_OPTIMIZED", "0")  # a user's own choice is kept
+    with _environment({**SERVE_ENV, "SPECSERVE_TEST_ONLY": "1"}):
+        assert os.environ["SPECSERVE_TEST_ONLY"] == "1" and os.environ["RAY_SERVE_THROUGHPUT_OPTIMIZED"] == "0"
+    assert "SPECSERVE_TEST_ONLY" not in os.environ and os.environ["RAY_SERVE_THROUGHPUT_OPTIMIZED"] == "0"
+
+
+@pytest.mark.parametrize("variant", gen.VARIANTS, ids=lambda v: v.file)
 def test_serve_config_is_the_source_config(variant):
     rs = load(K8S / variant.file)
     embedded = yaml.safe_load(rs["spec"]["serveConfigV2"])
