@@ -514,3 +514,36 @@ def test_two_token_sequences_follow_the_joint_target_law(k):
         cond = (np.bincount(x2_full.numpy(), minlength=v)[:, None] * law_of(p_next)).ravel()
         assert_law(pairs, cond / cond.sum(), tv_bound=0.05)
         assert_law(bonus.numpy(), expected, tv_bound=0.05)
+
+
+def test_a_shifted_proposal_keeps_the_joint_target_law():
+    """A round that ran as a plain step while the draft proposed from before it (the draft's first token
+    drawn at the same position): when the step's token equals the draft's first, the draft's second
+    token is verified next round; otherwise next round is a plain step. The first two tokens must
+    follow p(x1) p(x2 | x1) exactly (app/driver.py, Proposal.after)."""
+    v, n = 8, 50_000
+    gen = torch.Generator().manual_seed(31)
+    cond_logits = torch.randn(v, v, generator=gen) + 3 * torch.eye(v).roll(1, 1)
+    p1, p_next = processed(TARGET[:v], temperature=0.8), processed(cond_logits, temperature=0.8, top_k=5)
+    q1, q_next = processed(DRAFT_LOGITS[:v]), processed(cond_logits.roll(2, 1) * 0.7)
+    seeds, start = torch.arange(n) * 5_555_557 + 3, 7 + torch.arange(n) % 11
+    # round 1: a plain step at `start`; meanwhile the draft proposes two tokens from the same context
+    _, step = run(p1.expand(n, 1, v), torch.zeros(n, 0), torch.zeros(n, 0, v), seeds=seeds, start_pos=start)
+    first = step[:, 0]
+    d1 = draw(torch.arange(v).expand(n, v), q1.expand(n, v), seeds, start)
+    d2 = draw(torch.arange(v).expand(n, v), q_next[d1], seeds, start + 1)
+    hit = d1 == first
+    assert 0.05 < float(hit.float().mean()) < 0.95, "both paths (shifted proposal used or not) must be exercised"
+    # round 2 at start + 1: the shifted proposal [d2] where it fits, a plain step elsewhere
+    second = torch.empty(n, dtype=torch.long)
+    _, verified = run(torch.stack([p_next[first[hit]], p_next[d2[hit]]], 1), d2[hit].unsqueeze(1),
+                      q_next[first[hit]].unsqueeze(1), seeds=seeds[hit], start_pos=start[hit] + 1)
+    second[hit] = verified[:, 0]
+    _, plain = run(p_next[first[~hit]].unsqueeze(1), torch.zeros(int((~hit).sum()), 0),
+                   torch.zeros(int((~hit).sum()), 0, v), seeds=seeds[~hit], start_pos=start[~hit] + 1)
+    second[~hit] = plain[:, 0]
+    joint = law_of(p1)[:, None] * law_of(p_next)
+    # Power: taking the shifted draft token unverified (P(hit | x1) = q1(x1)) moves a cell > 5 sigma
+    unverified = law_of(p1)[:, None] * (law_of(q1)[:, None] * law_of(q_next) + (1 - law_of(q1))[:, None] * law_of(p_next))
+    assert_detectable(joint.ravel(), unverified.ravel(), n)
+    assert_law((first * v + second).numpy(), joint.ravel(), tv_bound=0.04)
