@@ -254,13 +254,21 @@ async def run_rounds(
     trace_parent: telemetry.Parent = None,
     policy: DraftPolicy | None = None,
     company: Callable[[], bool] = lambda: False,
+    prefill_chunk: int | None = None,
 ) -> AsyncIterator[list[int]]:
     """Drive rounds until the request stops; yields the tokens each round kept.
 
+    A context longer than `prefill_chunk` tokens is first prefilled a chunk per forward (sharing each
+    forward with other sequences' rounds); the first round then computes only the last chunk.
     Each round is a span (child of `trace_parent`) and is reported to `observer`.
     """
     rounds = Rounds(state, propose, verify, controller, costs, verify_cost, policy, company)
     try:
+        if prefill_chunk:
+            for end in range(prefill_chunk, len(state.token_ids), prefill_chunk):
+                with telemetry.span("prefill.chunk", trace_parent, attributes={"specserve.tokens": end}):
+                    await verify(VerifyItem(state.request_id, state.token_ids[:end], Proposal.empty(), state.params,
+                                            state.seed, trace=telemetry.carrier(), prefill=True))
         while not state.finished:
             # the span ends before the yield: a span must not stay current while the caller runs
             with telemetry.span("round", trace_parent) as span:

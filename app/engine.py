@@ -71,7 +71,7 @@ class Engine:
     def __init__(self, target: ModelRunner | Transport, draft: ModelRunner | Transport | None = None, *,
                  tokenizer=None, vocab_size: int | None = None, max_context: int | None = None,
                  k_max: int = 8, draft_top_n: int = 32, policy: DraftPolicy | None = None,
-                 verify_cost: Callable[[], float] = lambda: 0.0):
+                 verify_cost: Callable[[], float] = lambda: 0.0, prefill_chunk: int | None = 512):
         # the local runners, when in process (benchmarks read their models); None when remote
         self.target = target if isinstance(target, ModelRunner) else None
         self.draft = draft if isinstance(draft, ModelRunner) else None
@@ -91,6 +91,7 @@ class Engine:
         self.verify_cost = verify_cost
         self.costs = CostEstimator()
         self.active = 0  # requests whose rounds run now: with company, a round never waits for the draft
+        self.prefill_chunk = prefill_chunk  # most prompt tokens a sequence adds to one target forward
 
     @classmethod
     def from_config(cls, config: EngineConfig) -> "Engine":
@@ -135,7 +136,8 @@ class Engine:
         try:
             async for kept in run_rounds(state, self.drafter.submit if self.drafter else None, self.verifier.submit,
                                          controller or self.controller(state.params), self.costs, self.verify_cost,
-                                         observer, trace_parent, self.policy, lambda: self.active > 1):
+                                         observer, trace_parent, self.policy, lambda: self.active > 1,
+                                         self.prefill_chunk):
                 yield kept
         finally:
             self.active -= 1

@@ -118,6 +118,7 @@ class RaggedBatch:
             offset += n
             self.entries.append(entry)
         self.lengths = [s.start + s.length for s in spans]  # positions each slab holds after this forward
+        self.reuse = [s.start for s in spans]  # positions each sequence reused from its cache
         self.recomputed = offset
         keep = [sp.offset + sp.length - s.num_logits + j for sp, s in zip(spans, seqs) for j in range(s.num_logits)]
         out = self._run(ids, [p for sp in spans for p in range(sp.start, sp.start + sp.length)], Layout(spans), keep)

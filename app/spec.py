@@ -64,6 +64,7 @@ class VerifyItem:
     sampling: SamplingParams
     seed: int
     trace: dict | None = None  # W3C trace context of the caller's span, when tracing
+    prefill: bool = False  # a prompt chunk: compute and keep its KV, emit nothing
 
 
 @dataclass
@@ -148,18 +149,34 @@ def propose(runner: ModelRunner, items: list[ProposeItem], top_n: int = 32) -> l
 
 
 def verify(runner: ModelRunner, items: list[VerifyItem]) -> list[Verdict]:
-    """One target forward over every item's K+1 positions, rejection sampling, KV rollback."""
+    """One target forward over every item's K+1 positions, rejection sampling, KV rollback.
+    Prompt chunks (prefill items) ride in the same forward, keep all their positions and emit nothing."""
+    rounds = [it for it in items if not it.prefill]
+    chunks = [it for it in items if it.prefill]
+    batch = runner.open([SeqInput(it.seq_id, it.token_ids + it.proposal.tokens, len(it.proposal.tokens) + 1)
+                         for it in rounds] + [SeqInput(it.seq_id, it.token_ids) for it in chunks])
+    kept_chunks = [len(it.token_ids) for it in chunks]
+    if rounds:
+        verdicts = iter(_verdicts(batch, rounds, runner.vocab_size, kept_chunks))
+    else:
+        batch.close(kept_chunks)
+    done = Verdict([], 0, 0, {"batch_size": len(items)})
+    return [done if it.prefill else next(verdicts) for it in items]
+
+
+def _verdicts(batch, items: list[VerifyItem], vocab_size: int, kept_chunks: list[int]) -> list[Verdict]:
+    """The verdicts of a batch opened with `items`' rounds first, then prompt chunks; closes the batch:
+    every round keeps what it accepted, every chunk all its positions (`kept_chunks`)."""
+    logits = batch.logits[: len(items)]
     ks = [len(it.proposal.tokens) for it in items]
     kmax = max(ks)
-    seqs = [SeqInput(it.seq_id, it.token_ids + it.proposal.tokens, k + 1) for it, k in zip(items, ks)]
-    batch = runner.open(seqs)
     if all(it.sampling.greedy for it in items):
-        verdicts = _greedy_verdicts(batch.logits, items)
-        batch.close([len(it.token_ids) + vd.accepted for it, vd in zip(items, verdicts)])
+        verdicts = _greedy_verdicts(logits, items)
+        batch.close([len(it.token_ids) + vd.accepted for it, vd in zip(items, verdicts)] + kept_chunks)
         return verdicts
-    b, v = len(items), runner.vocab_size
+    b, v = len(items), vocab_size
     padded = torch.zeros(b, kmax + 1, v)
-    for i, lg in enumerate(batch.logits):
+    for i, lg in enumerate(logits):
         padded[i, : lg.shape[0]] = lg
     temperature, top_k, top_p = _sampling_tensors([it.sampling for it in items], kmax + 1)
     p = process_logits(padded.view(-1, v), temperature, top_k, top_p).view(b, kmax + 1, v)
@@ -179,7 +196,7 @@ def verify(runner: ModelRunner, items: list[VerifyItem]) -> list[Verdict]:
         num_draft=torch.tensor(ks), greedy=torch.tensor([it.sampling.greedy for it in items]),
         seeds=torch.tensor([it.seed for it in items]), start_pos=torch.tensor([len(it.token_ids) for it in items]),
     )
-    batch.close([len(it.token_ids) + int(a) for it, a in zip(items, accepted)])
+    batch.close([len(it.token_ids) + int(a) for it, a in zip(items, accepted)] + kept_chunks)
     return [
         Verdict(tokens[i, : int(accepted[i]) + 1].tolist(), int(accepted[i]), ks[i], {"batch_size": b})
         for i in range(b)

@@ -60,6 +60,13 @@ class BatchConfig(BaseModel):
     max_batch_size: int = Field(16, ge=1, description="Most sequences' rounds in one forward; the rest wait their turn.")
 
 
+class TargetBatchConfig(BatchConfig):
+    prefill_chunk_tokens: int = Field(
+        512, ge=16, description="Most prompt tokens one sequence adds to a target forward: a longer prompt is "
+        "prefilled over several forwards, each shared with the other sequences' rounds, so it never stalls them "
+        "for its whole length.")
+
+
 class LimitsConfig(BaseModel):
     """Request limits enforced by the ingress."""
 
@@ -84,7 +91,7 @@ class AppConfig(BaseModel):
     served_model_name: str | None = Field(None, description="Name in /v1/models; default: the target's name.")
     speculation: SpeculationConfig = Field(default_factory=SpeculationConfig, description="Speculation defaults.")
     draft_batch: BatchConfig = Field(default_factory=BatchConfig, description="DraftServer batching.")
-    target_batch: BatchConfig = Field(
-        default_factory=lambda: BatchConfig(max_batch_size=32), description="TargetServer batching.")
+    target_batch: TargetBatchConfig = Field(
+        default_factory=lambda: TargetBatchConfig(max_batch_size=32), description="TargetServer batching.")
     limits: LimitsConfig = Field(default_factory=LimitsConfig, description="Request limits.")
     api_key_env: str = Field("SPECSERVE_API_KEY", description="Environment variable holding the API key, if any.")

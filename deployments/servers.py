@@ -23,7 +23,7 @@ from app.request import GenerationJob
 from app.runner import ModelRunner, SeqInput
 from app.spec import Proposal, propose, verify
 from deployments.affinity import Calls
-from deployments.config import BatchConfig, ModelConfig, SpeculationConfig, TargetConfig
+from deployments.config import BatchConfig, ModelConfig, SpeculationConfig, TargetBatchConfig, TargetConfig
 from deployments.draft_client import DraftClient
 from deployments.metrics import RoundMetrics, ServerMetrics
 from deployments.tp import RankGroup, set_torch_threads
@@ -135,7 +135,7 @@ class TargetServer(_Server):
     Tensor-parallel over rank workers when tensor_parallel_size > 1 (rank 0 answers).
     """
 
-    def __init__(self, cfg: TargetConfig, path: str, batch: BatchConfig, draft, speculation: SpeculationConfig,
+    def __init__(self, cfg: TargetConfig, path: str, batch: TargetBatchConfig, draft, speculation: SpeculationConfig,
                  max_context: int):
         super().__init__()
         self.ranks: RankGroup | None = None
@@ -162,7 +162,8 @@ class TargetServer(_Server):
             self._warming = _start(self._connect(draft))
         self.engine = Engine(self.queue, DraftClient(draft, max_batch=None) if draft is not None else None,
                              tokenizer=tokenizer, vocab_size=vocab, max_context=max_context,
-                             k_max=speculation.k_max, policy=policy, verify_cost=self._verify_cost)
+                             k_max=speculation.k_max, policy=policy, verify_cost=self._verify_cost,
+                             prefill_chunk=batch.prefill_chunk_tokens)
 
     @staticmethod
     async def _connect(draft) -> None:

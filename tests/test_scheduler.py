@@ -31,12 +31,21 @@ def draft_model(target_model):
     return blend(target_model, 7, 0.9)
 
 
+class DraftLags(CostEstimator):
+    """Proposals take longer than a verify round: rounds wait for them, company or not. Tests that count
+    hits and fallbacks must not depend on how fast this machine drafts."""
+
+    draft_keeps_up = False
+
+
 @pytest.fixture()
 def engine(target_model, draft_model, tokenizer):
     def make(ahead: bool = True, draft=None, **kw) -> Engine:
         target = ModelRunner(target_model, tokenizer)
-        return Engine(target, draft or ModelRunner(draft_model, tokenizer), k_max=6, policy=DraftPolicy(ahead=ahead),
-                      **kw)
+        eng = Engine(target, draft or ModelRunner(draft_model, tokenizer), k_max=6, policy=DraftPolicy(ahead=ahead),
+                     **kw)
+        eng.costs = DraftLags()
+        return eng
     return make
 
 
@@ -308,3 +317,23 @@ def test_alone_or_seeded_a_round_waits_for_its_proposal(engine, target_model, to
     assert not any(f.fallback == "draft_behind" for per in facts for f in per)  # its K must not follow load
     _, (alone,) = run_with_facts(eng, [greedy(num_tokens=3)])
     assert not any(f.fallback == "draft_behind" for f in alone) and any(f.drafted for f in alone)
+
+
+def test_a_long_prompt_is_prefilled_in_chunks_beside_other_rounds(engine, reference, target_model, tokenizer):
+    eng = engine(prefill_chunk=16)
+    runner = eng.target
+    computed = []  # per target forward: new tokens computed for each sequence
+    open_batch = runner.open
+
+    def spy(seqs):
+        batch = open_batch(seqs)
+        computed.append({s.seq_id: len(s.token_ids) - r for s, r in zip(seqs, batch.reuse)})
+        return batch
+    runner.open = spy
+    states = run_staggered(eng, [greedy(num_tokens=3)] * len(PROMPTS), gap_rounds=3)
+    for p, s in zip(PROMPTS, states):
+        assert s.output_ids == reference[tuple(p)]
+    long_id = f"req-{PROMPTS.index(list(range(10, 90)))}"  # 80 prompt tokens: five chunks
+    assert max(step.get(long_id, 0) for step in computed) <= 16 + 3  # a chunk, or the last one and 3 drafted
+    assert sum(1 for step in computed if long_id in step) >= 5
+    assert any(long_id in step and len(step) > 1 for step in computed)  # chunks share forwards
