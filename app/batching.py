@@ -29,10 +29,14 @@ class MicroBatcher(Generic[Item, Result]):
     as the next batch the moment the model is free, so batches grow with the load.
     """
 
-    def __init__(self, fn: BatchFn, max_items: int | None = None, serial: bool = False):
+    def __init__(self, fn: BatchFn, max_items: int | None = None, serial: bool = False,
+                 max_cost: int | None = None, cost: Callable[[Item], int] = lambda item: 1):
         self.fn = fn
         self.max_items = max_items
         self.serial = serial
+        # serial only: a batch holds items of total cost <= max_cost (always at least one), the
+        # cheapest first in arrival order, so a few expensive items never hold back many cheap ones
+        self.max_cost, self.cost = max_cost, cost
         self.pending: dict[Hashable, list[tuple[Item, asyncio.Future]]] = {}
         self.batch_sizes: list[int] = []
         self._in_flight: set[asyncio.Task] = set()
@@ -51,6 +55,8 @@ class MicroBatcher(Generic[Item, Result]):
         if self.serial and self._in_flight:
             return  # the batch in flight flushes again when it is done
         waiting = [(item, f) for item, f in self.pending.pop(key, []) if not f.done()]
+        if self.serial and self.max_cost:
+            waiting = self._within_budget(key, waiting)
         size = self.max_items or len(waiting) or 1
         if self.serial and len(waiting) > size:  # the rest waits its turn
             self.pending[key] = waiting[size:] + self.pending.get(key, [])
@@ -70,6 +76,21 @@ class MicroBatcher(Generic[Item, Result]):
                 task.add_done_callback(self._done)
             else:
                 _settle(chunk, results)
+
+    def _within_budget(self, key: Hashable, waiting: list) -> list:
+        """The items this batch takes under max_cost; the others go back to wait for the next one."""
+        costs = [self.cost(item) for item, _ in waiting]
+        order = sorted(range(len(waiting)), key=lambda i: costs[i])  # stable: arrival order among equals
+        taken, total = set(), 0
+        for i in order:
+            if taken and total + costs[i] > self.max_cost:
+                break
+            taken.add(i)
+            total += costs[i]
+        self.pending[key] = [w for i, w in enumerate(waiting) if i not in taken] + self.pending.get(key, [])
+        if len(self.pending[key]) == 0:
+            del self.pending[key]
+        return [w for i, w in enumerate(waiting) if i in taken]
 
     def _done(self, task: asyncio.Task) -> None:
         self._in_flight.discard(task)

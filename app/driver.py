@@ -99,6 +99,7 @@ class Rounds:
         self.state, self.propose, self.verify = state, propose, verify
         self.controller, self.costs, self.verify_cost = controller, costs, verify_cost
         self.company = company  # whether other sequences share this one's target forwards
+        self.cached = 0  # context positions the target already holds for this sequence (as far as it knows)
         self.policy = policy or DraftPolicy()
         self.ahead: _Ahead | None = None
         self.draft_down_until = float("-inf")
@@ -145,8 +146,11 @@ class Rounds:
             self._draft_ahead(proposal)
         t0 = time.perf_counter()
         with telemetry.span("target.verify", attributes={"specserve.k": len(proposal.tokens)}):
+            new = len(state.token_ids) - self.cached + len(proposal.tokens)
             verdict = await self.verify(VerifyItem(state.request_id, state.token_ids, proposal, state.params,
-                                                   state.seed, trace=telemetry.carrier()))
+                                                   state.seed, trace=telemetry.carrier(), new_tokens=new))
+        # the target now holds the context and the accepted draft tokens; the last kept token is new next round
+        self.cached = len(state.token_ids) + verdict.accepted
         t_verify = time.perf_counter() - t0
         if proposal.tokens:
             self.costs.observe(t_draft, len(proposal.tokens), t_verify)
@@ -268,7 +272,9 @@ async def run_rounds(
             for end in range(prefill_chunk, len(state.token_ids), prefill_chunk):
                 with telemetry.span("prefill.chunk", trace_parent, attributes={"specserve.tokens": end}):
                     await verify(VerifyItem(state.request_id, state.token_ids[:end], Proposal.empty(), state.params,
-                                            state.seed, trace=telemetry.carrier(), prefill=True))
+                                            state.seed, trace=telemetry.carrier(), prefill=True,
+                                            new_tokens=end - rounds.cached))
+                rounds.cached = end
         while not state.finished:
             # the span ends before the yield: a span must not stay current while the caller runs
             with telemetry.span("round", trace_parent) as span:

@@ -22,7 +22,7 @@ from app.errors import InvalidRequestError
 from app.params import SamplingParams, parse_sampling
 from app.request import GenerationJob, RequestState
 from app.runner import ModelRunner
-from app.spec import propose, verify
+from app.spec import propose, verify, verify_tokens
 from app.telemetry import NoObserver, RoundObserver
 
 
@@ -71,7 +71,8 @@ class Engine:
     def __init__(self, target: ModelRunner | Transport, draft: ModelRunner | Transport | None = None, *,
                  tokenizer=None, vocab_size: int | None = None, max_context: int | None = None,
                  k_max: int = 8, draft_top_n: int = 32, policy: DraftPolicy | None = None,
-                 verify_cost: Callable[[], float] = lambda: 0.0, prefill_chunk: int | None = 512):
+                 verify_cost: Callable[[], float] = lambda: 0.0, prefill_chunk: int | None = 512,
+                 max_batch_tokens: int | None = 2048):
         # the local runners, when in process (benchmarks read their models); None when remote
         self.target = target if isinstance(target, ModelRunner) else None
         self.draft = draft if isinstance(draft, ModelRunner) else None
@@ -80,7 +81,7 @@ class Engine:
             if isinstance(draft, ModelRunner):
                 check_vocabularies(target.tokenizer, draft.tokenizer)
             target = ForwardQueue(in_thread(functools.partial(verify, target)), target.release,
-                                  name="TargetServer.verify")
+                                  name="TargetServer.verify", max_tokens=max_batch_tokens, cost=verify_tokens)
         if isinstance(draft, ModelRunner):
             draft = ForwardQueue(in_thread(functools.partial(propose, draft, top_n=draft_top_n)), draft.release,
                                  name="DraftServer.propose")

@@ -38,14 +38,17 @@ class ForwardQueue(Generic[Item, Result]):
 
     def __init__(self, forward: ForwardFn, release: Callable[[str], Awaitable[None] | None], *, name: str,
                  max_items: int | None = None, extra_stats: dict | None = None,
-                 on_batch: Callable[[int], None] = lambda size: None):
+                 on_batch: Callable[[int], None] = lambda size: None,
+                 max_tokens: int | None = None, cost: Callable[[Item], int] = lambda item: 1):
         self.forward, self._release, self.name = forward, release, name
         self.extra_stats = extra_stats or {}
         self.on_batch = on_batch
         self.served = 0  # items answered
         self.batch_sizes: collections.deque[int] = collections.deque(maxlen=1024)
         self._released: collections.OrderedDict[str, None] = collections.OrderedDict()
-        self._batcher = MicroBatcher(lambda items, _: self._run(items), max_items, serial=True)
+        # max_tokens: a forward's budget of positions (cost(item) each); rounds go before prompt chunks
+        self._batcher = MicroBatcher(lambda items, _: self._run(items), max_items, serial=True,
+                                     max_cost=max_tokens, cost=cost)
 
     async def submit(self, item: Item) -> Result:
         return await self._batcher.submit(item)

@@ -65,6 +65,12 @@ class VerifyItem:
     seed: int
     trace: dict | None = None  # W3C trace context of the caller's span, when tracing
     prefill: bool = False  # a prompt chunk: compute and keep its KV, emit nothing
+    new_tokens: int = 0  # positions it may compute (uncached context + draft), for the forward's token budget
+
+
+def verify_tokens(item: VerifyItem) -> int:
+    """Positions a verify item may compute: what its sender knows, else its whole context."""
+    return item.new_tokens or len(item.token_ids) + len(item.proposal.tokens)
 
 
 @dataclass

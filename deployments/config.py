@@ -65,6 +65,9 @@ class TargetBatchConfig(BatchConfig):
         512, ge=16, description="Most prompt tokens one sequence adds to a target forward: a longer prompt is "
         "prefilled over several forwards, each shared with the other sequences' rounds, so it never stalls them "
         "for its whole length.")
+    max_batch_tokens: int = Field(
+        2048, ge=16, description="Most positions one target forward computes (verify rows and prompt chunks); "
+        "rounds go first, prompt chunks fill the rest, and what does not fit waits for the next forward.")
 
 
 class LimitsConfig(BaseModel):

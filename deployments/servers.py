@@ -21,7 +21,7 @@ from app.engine import Engine
 from app.forward_queue import ForwardQueue, in_thread
 from app.request import GenerationJob
 from app.runner import ModelRunner, SeqInput
-from app.spec import Proposal, propose, verify
+from app.spec import Proposal, propose, verify, verify_tokens
 from deployments.affinity import Calls
 from deployments.config import BatchConfig, ModelConfig, SpeculationConfig, TargetBatchConfig, TargetConfig
 from deployments.draft_client import DraftClient
@@ -77,11 +77,11 @@ class _Server:
         self.metrics = ServerMetrics()
         telemetry.configure_tracing(type(self).__name__)
 
-    def _queue(self, forward, release, batch: BatchConfig, name: str) -> ForwardQueue:
+    def _queue(self, forward, release, batch: BatchConfig, name: str, **budget) -> ForwardQueue:
         def on_batch(size: int) -> None:
             self.metrics.batch(size, self.cache)
         return ForwardQueue(forward, release, name=name, max_items=batch.max_batch_size,
-                            extra_stats={"replica": self.replica_id}, on_batch=on_batch)
+                            extra_stats={"replica": self.replica_id}, on_batch=on_batch, **budget)
 
     @property
     def cache(self):
@@ -151,7 +151,8 @@ class TargetServer(_Server):
             tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=cfg.trust_remote_code)
             vocab = len(tokenizer)
             forward, release = self.ranks.verify, self._release_ranks
-        self.queue = self._queue(forward, release, batch, "TargetServer.verify")
+        self.queue = self._queue(forward, release, batch, "TargetServer.verify", max_tokens=batch.max_batch_tokens,
+                                 cost=verify_tokens)
         self.round_metrics = RoundMetrics()
         self.speculation = speculation
         self.batch_ema = 1.0  # verify batch size, smoothed: the load that load-aware K weighs

@@ -60,6 +60,29 @@ def test_serial_respects_max_items():
     assert sizes == [4, 4, 2]
 
 
+def test_serial_cost_budget_takes_cheap_items_first_and_serves_everything():
+    batches = []
+
+    async def forward(items):
+        batches.append(list(items))
+        await asyncio.sleep(0)
+        return items
+
+    async def go():
+        # costs: prompt chunks of 512 positions and verify rounds of 5, arriving interleaved
+        b = MicroBatcher(lambda items, _: forward(items), serial=True, max_cost=1024, cost=lambda it: it[1])
+        items = [("chunk-a", 512), ("round-1", 5), ("chunk-b", 512), ("round-2", 5), ("chunk-c", 512), ("huge", 4096)]
+        return await asyncio.gather(*(b.submit(it) for it in items)), items
+    results, items = asyncio.run(go())
+    assert results == items  # every caller gets its own item back
+    assert all(sum(c for _, c in batch) <= 1024 or len(batch) == 1 for batch in batches)
+    # rounds first, then chunks in arrival order, while the budget lasts (a batch keeps arrival order)
+    assert [name for name, _ in batches[0]] == ["chunk-a", "round-1", "round-2"]
+    assert [name for name, _ in batches[1]] == ["chunk-b", "chunk-c"]
+    assert sorted(name for batch in batches for name, _ in batch) == sorted(name for name, _ in items)
+    assert [("huge", 4096)] in batches  # over the budget alone: it still runs, by itself
+
+
 def test_an_item_that_fails_fails_alone_and_a_cancelled_caller_is_not_sent():
     sent = []
 
