@@ -35,8 +35,10 @@ class MicroBatcher(Generic[Item, Result]):
         self.max_items = max_items
         self.serial = serial
         # serial only: a batch holds items of total cost <= max_cost (always at least one), the
-        # cheapest first in arrival order, so a few expensive items never hold back many cheap ones
+        # cheapest first in arrival order, so a few expensive items never hold back many cheap ones;
+        # an item left out once goes first next time, so a stream of cheap items cannot starve it
         self.max_cost, self.cost = max_cost, cost
+        self._deferred: set[asyncio.Future] = set()
         self.pending: dict[Hashable, list[tuple[Item, asyncio.Future]]] = {}
         self.batch_sizes: list[int] = []
         self._in_flight: set[asyncio.Task] = set()
@@ -80,16 +82,18 @@ class MicroBatcher(Generic[Item, Result]):
     def _within_budget(self, key: Hashable, waiting: list) -> list:
         """The items this batch takes under max_cost; the others go back to wait for the next one."""
         costs = [self.cost(item) for item, _ in waiting]
-        order = sorted(range(len(waiting)), key=lambda i: costs[i])  # stable: arrival order among equals
+        # stable: arrival order among equals
+        order = sorted(range(len(waiting)), key=lambda i: (waiting[i][1] not in self._deferred, costs[i]))
         taken, total = set(), 0
         for i in order:
             if taken and total + costs[i] > self.max_cost:
                 break
             taken.add(i)
             total += costs[i]
-        self.pending[key] = [w for i, w in enumerate(waiting) if i not in taken] + self.pending.get(key, [])
-        if len(self.pending[key]) == 0:
-            del self.pending[key]
+        left = [w for i, w in enumerate(waiting) if i not in taken]
+        self._deferred = {f for _, f in left}
+        if left:
+            self.pending[key] = left + self.pending.get(key, [])
         return [w for i, w in enumerate(waiting) if i in taken]
 
     def _done(self, task: asyncio.Task) -> None:

@@ -83,6 +83,26 @@ def test_serial_cost_budget_takes_cheap_items_first_and_serves_everything():
     assert [("huge", 4096)] in batches  # over the budget alone: it still runs, by itself
 
 
+def test_serial_cost_budget_never_starves_an_expensive_item():
+    batches = []
+
+    async def go():
+        b = None
+
+        async def forward(items):
+            batches.append([name for name, _ in items])
+            if len(batches) < 6:  # every forward, a new cheap round arrives for the next one
+                asyncio.ensure_future(b.submit((f"round-{len(batches)}", 1)))
+            await asyncio.sleep(0)
+            return items
+        b = MicroBatcher(lambda items, _: forward(items), serial=True, max_cost=100, cost=lambda it: it[1])
+        await asyncio.gather(b.submit(("round-0", 1)), b.submit(("prompt", 500)))
+        for _ in range(50):  # let the last cheap rounds finish
+            await asyncio.sleep(0)
+    asyncio.run(go())
+    assert batches[0] == ["round-0"] and batches[1] == ["prompt"]  # left out once, first the next time
+
+
 def test_an_item_that_fails_fails_alone_and_a_cancelled_caller_is_not_sent():
     sent = []
 
