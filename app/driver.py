@@ -88,6 +88,7 @@ class _Ahead:
     context: list[int]
     task: asyncio.Task
     started: float
+    finished: float | None = None  # when the draft answered (set by the task's done callback)
 
 
 class Rounds:
@@ -196,7 +197,8 @@ class Rounds:
         self._ask_ahead(state.token_ids + proposal.tokens + [proposal.guess], k)
 
     def _ask_ahead(self, context: list[int], k: int) -> None:
-        self.ahead = _Ahead(context, asyncio.ensure_future(self._draft(context, k)), time.perf_counter())
+        a = self.ahead = _Ahead(context, asyncio.ensure_future(self._draft(context, k)), time.perf_counter())
+        a.task.add_done_callback(lambda _: setattr(a, "finished", time.perf_counter()))
 
     def _ready_ahead(self, flexible: bool) -> Proposal | None:
         """The proposal drafted ahead, if it is in hand and fits this round's context; consumed.
@@ -226,8 +228,9 @@ class Rounds:
 
     @staticmethod
     def _hidden(proposal: Proposal, a: _Ahead, waited: float) -> Proposal:
-        """The proposal with the part of the draft's round trip that ran while earlier rounds verified."""
-        hidden = max(0.0, waited - a.started)
+        """The proposal with the part of the draft's round trip that ran while earlier rounds verified
+        (up to when it answered: time it then sat in hand is not draft time)."""
+        hidden = max(0.0, min(waited, a.finished if a.finished is not None else waited) - a.started)
         return Proposal(proposal.tokens, proposal.q_ids, proposal.q_probs, {**proposal.stats, "hidden_s": hidden},
                         proposal.guess)
 
