@@ -33,6 +33,15 @@ class Span:
     start: int  # absolute position of its first new token (= positions already cached)
     length: int  # new tokens
     offset: int  # index of its first new token in the packed row
+    mask: torch.Tensor | None = None  # its causal mask, built by the first layer that needs it
+
+    def causal_mask(self, device: torch.device) -> torch.Tensor | None:
+        """Query j (absolute position start + j) sees keys 0..start + j: causal, offset by what was
+        cached. None for one query, which sees every key. The same for every layer: built once."""
+        if self.length > 1 and self.mask is None:
+            end = self.start + self.length
+            self.mask = torch.arange(end, device=device) <= torch.arange(self.start, end, device=device).unsqueeze(1)
+        return self.mask
 
 
 class Layout:
@@ -80,11 +89,9 @@ def ragged_attention(module, query: torch.Tensor, key: torch.Tensor, value: torc
         end = s.start + s.length
         k, v = s.entry.slabs[layer]
         q = query[:, :, s.offset : s.offset + s.length]  # [1, Hq, n, D]
-        # query j (absolute position start + j) sees keys 0..start + j: causal, offset by what was cached
-        mask = None if s.length == 1 else (
-            torch.arange(end, device=q.device) <= torch.arange(s.start, end, device=q.device).unsqueeze(1))
         out[:, :, s.offset : s.offset + s.length] = torch.nn.functional.scaled_dot_product_attention(
-            q, k[:, :end].unsqueeze(0), v[:, :end].unsqueeze(0), attn_mask=mask, scale=scaling, enable_gqa=gqa)
+            q, k[:, :end].unsqueeze(0), v[:, :end].unsqueeze(0), attn_mask=s.causal_mask(q.device), scale=scaling,
+            enable_gqa=gqa)
     return out.transpose(1, 2), None
 
 
