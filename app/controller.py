@@ -173,6 +173,12 @@ class KController:
         if k > 0 or cfg.k_max == 0:
             self._zero_rounds = 0
             return k
+        if verify_cost > 0 and optimal_k(self.alpha, c, cfg.k_max, 0.0, cfg.margin) > 0:
+            # the busy target, not the draft, makes speculation not pay: acceptance is not in doubt
+            # and the load is measured live (K returns the round it drops), so a probe would only
+            # add rows and a draft call to forwards that are already the bottleneck
+            self._zero_rounds = 0
+            return 0
         self._zero_rounds += 1
         if self._zero_rounds < cfg.probe_interval:
             return 0

@@ -196,6 +196,19 @@ def test_verify_cost_shrinks_k_to_zero():
     assert ks[-1] == 0
 
 
+def test_a_busy_target_turns_speculation_off_without_probes():
+    """K = 0 because of load, not acceptance: no probe rounds while the load lasts, K back at once after."""
+    rng = random.Random(9)
+    ctrl = KController(KControllerConfig(probe_interval=4))
+    run(ctrl, rng, alpha=0.8, c=0.05, rounds=50)
+    assert [ctrl.choose(0.05, verify_cost=2.0) for _ in range(40)] == [0] * 40
+    assert ctrl.choose(0.05, verify_cost=0.0) > 0
+    # where acceptance is the reason, probes still come, load or not
+    ctrl = KController(KControllerConfig(probe_interval=4))
+    run(ctrl, rng, alpha=0.02, c=0.05, rounds=50)
+    assert any(ctrl.choose(0.05, verify_cost=2.0) > 0 for _ in range(20))
+
+
 # --- measuring c ---------------------------------------------------------------------------
 
 
