@@ -72,12 +72,13 @@ class Engine:
                  tokenizer=None, vocab_size: int | None = None, max_context: int | None = None,
                  k_max: int = 8, draft_top_n: int = 32, policy: DraftPolicy | None = None,
                  verify_cost: Callable[[], float] = lambda: 0.0, prefill_chunk: int | None = 512,
-                 max_batch_tokens: int | None = 2048):
+                 max_batch_tokens: int | None = 2048, eos_ids: frozenset[int] | None = None):
         # the local runners, when in process (benchmarks read their models); None when remote
         self.target = target if isinstance(target, ModelRunner) else None
         self.draft = draft if isinstance(draft, ModelRunner) else None
         if isinstance(target, ModelRunner):
             tokenizer, vocab_size, max_context = target.tokenizer, target.vocab_size, target.max_context
+            eos_ids = target.eos_ids
             if isinstance(draft, ModelRunner):
                 check_vocabularies(target.tokenizer, draft.tokenizer)
             target = ForwardQueue(in_thread(functools.partial(verify, target)), target.release,
@@ -87,6 +88,7 @@ class Engine:
                                  name="DraftServer.propose")
         self.verifier, self.drafter = target, draft
         self.tokenizer, self.vocab_size, self.max_context = tokenizer, vocab_size, max_context
+        self.eos_ids = eos_ids  # None: the tokenizer's
         self.k_max = k_max
         self.policy = policy or DraftPolicy()
         self.verify_cost = verify_cost
@@ -123,7 +125,8 @@ class Engine:
             ids = list(prompt)
             if any(not isinstance(t, int) or not 0 <= t < self.vocab_size for t in ids):
                 raise InvalidRequestError(f"prompt token ids must be in [0, {self.vocab_size})", param="prompt")
-        return RequestState(request_id or uuid.uuid4().hex, ids, params, self.tokenizer, self.max_context)
+        return RequestState(request_id or uuid.uuid4().hex, ids, params, self.tokenizer, self.max_context,
+                            eos_ids=self.eos_ids)
 
     def controller(self, params: SamplingParams) -> KController:
         pinned = params.speculation.pinned_k() if self.drafter else 0
@@ -172,7 +175,7 @@ class Engine:
 
     async def _produce(self, job: GenerationJob, observer: RoundObserver, trace_parent: telemetry.Parent,
                        chunks: asyncio.Queue) -> None:
-        state = job.state(self.tokenizer, self.max_context)
+        state = job.state(self.tokenizer, self.max_context, self.eos_ids)
         controller = self.controller(state.params).restore(job.controller)
         try:
             async for kept in self.stream(state, controller, observer, trace_parent):

@@ -5,8 +5,10 @@ import time
 import uuid
 from typing import Literal
 
+import jinja2
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from app.errors import InvalidRequestError
 from app.params import SamplingParams, SpeculationParams
 
 
@@ -63,11 +65,40 @@ class CompletionRequest(_Common):
         return v
 
 
+class TextPart(BaseModel):
+    """One part of a message's content given as a list (what many OpenAI clients send); text only."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    type: Literal["text"] = Field(description="Only text parts: this server serves text models.")
+    text: str
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
     role: Literal["system", "user", "assistant", "tool", "developer"]
-    content: str
+    content: str | list[TextPart]
+
+    def for_template(self) -> dict:
+        """The message as chat templates take it: parts joined into one text, a line apiece."""
+        text = self.content if isinstance(self.content, str) else "\n".join(p.text for p in self.content)
+        return {"role": self.role, "content": text}
+
+
+def chat_prompt_ids(tokenizer, messages: list[ChatMessage]) -> list[int]:
+    """The conversation through the tokenizer's chat template, as token ids.
+
+    A template that refuses the conversation (Gemma's "System role not supported", Mistral's strict
+    user/assistant alternation) raises from inside the template: that is the request's fault, a 400
+    naming the template's reason, never a 500.
+    """
+    try:
+        ids = tokenizer.apply_chat_template([m.for_template() for m in messages], add_generation_prompt=True,
+                                            tokenize=True)
+    except (jinja2.TemplateError, ValueError, TypeError) as e:
+        raise InvalidRequestError(f"the model's chat template rejects these messages: {e}", param="messages") from None
+    return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
 
 
 class ChatCompletionRequest(_Common):
@@ -75,6 +106,13 @@ class ChatCompletionRequest(_Common):
 
     messages: list[ChatMessage] = Field(min_length=1, description="The conversation so far.")
     max_completion_tokens: int | None = Field(None, ge=1, description="Newer name of max_tokens.")
+
+
+def default_max_tokens(chat: bool, room: int, completions_default: int, cap: int) -> int:
+    """max_tokens of a request that does not say: a completion gets OpenAI's default for completions
+    (`limits.default_max_tokens`, 16); a chat runs to the end of the context (OpenAI's and vLLM's
+    default there), within the server's cap on max_tokens."""
+    return min(room, cap) if chat else min(room, completions_default)
 
 
 def error_body(message: str, type_: str, param: str | None = None, code: str | int | None = None) -> dict:

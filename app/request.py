@@ -7,6 +7,13 @@ from app.errors import ContextLengthError, InvalidRequestError
 from app.params import SamplingParams
 
 REPLACEMENT = "\ufffd"  # what a decoder shows for a UTF-8 sequence cut mid-way
+DETOKENIZE_CONTEXT = 5  # tokens decoded again before new ones: how a piece reads can depend on those before it
+
+
+def tokenizer_eos_ids(tokenizer) -> frozenset[int]:
+    """The tokenizer's end-of-sequence id(s)."""
+    eos = tokenizer.eos_token_id
+    return frozenset(eos if isinstance(eos, list) else [eos]) - {None}
 
 
 # per-round timings summed in SpeculationStats: name in the summary -> RoundFacts attribute
@@ -79,9 +86,12 @@ class RequestState:
     """Token ids, sampling and stop rules of one request; `append` applies a round's tokens."""
 
     def __init__(self, request_id: str, prompt_ids: list[int], params: SamplingParams, tokenizer, max_context: int,
-                 *, seed: int | None = None, output_ids: list[int] | None = None, streamed_chars: int = 0):
+                 *, seed: int | None = None, output_ids: list[int] | None = None, streamed_chars: int = 0,
+                 eos_ids: set[int] | frozenset[int] | None = None):
         """seed: the request's draw seed (params.seed, else a fresh one); output_ids and streamed_chars:
-        what an earlier replica already streamed, when a request resumes after failover."""
+        what an earlier replica already streamed, when a request resumes after failover; eos_ids: the
+        model's end-of-sequence ids (app.runner.eos_ids: its generation config's and its tokenizer's),
+        by default the tokenizer's alone."""
         if not prompt_ids:
             raise InvalidRequestError("prompt is empty: give at least one token", param="prompt")
         if len(prompt_ids) >= max_context:
@@ -96,12 +106,15 @@ class RequestState:
         self.tokenizer = tokenizer
         self.max_context = max_context
         self.output_ids: list[int] = list(output_ids or [])
-        self.text = tokenizer.decode(self.output_ids, skip_special_tokens=True) if self.output_ids else ""
+        self.text = self._decode(self.output_ids)
+        # incremental detokenisation: text holds output_ids[:_read]; output_ids[_prefix:_read] is decoded
+        # again with each round's new tokens, as context for tokenizers whose pieces depend on what precedes
+        self._read = len(self.output_ids)
+        self._prefix = max(0, self._read - DETOKENIZE_CONTEXT)
         self._streamed = streamed_chars
         self.finish_reason: str | None = None if self.room() > 0 else "length"  # resumed at its end
         self.stats = SpeculationStats()
-        eos = tokenizer.eos_token_id
-        self.eos_ids = set(eos if isinstance(eos, list) else [eos]) - {None}
+        self.eos_ids = frozenset(eos_ids) if eos_ids is not None else tokenizer_eos_ids(tokenizer)
 
     @property
     def token_ids(self) -> list[int]:
@@ -127,10 +140,29 @@ class RequestState:
             if self.room() <= 0:
                 self.finish_reason = "length"
                 break
-        self.text = self.tokenizer.decode(self.output_ids, skip_special_tokens=True)
+        self._detokenize()
         if self.params.stop:
             kept = self._apply_stop_strings(kept)
         return kept
+
+    def _decode(self, ids: list[int]) -> str:
+        # never the tokenizer's clean-up of spaces: it rewrites text around tokens ("a ." -> "a."), so text
+        # decoded a round at a time would differ from, or take back, text already streamed
+        return self.tokenizer.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False) if ids else ""
+
+    def _detokenize(self) -> None:
+        """Extend text by the new tokens' text: O(new tokens) per round, and text once added never changes.
+
+        Tokens whose text is still an incomplete UTF-8 sequence wait for the next round (or the end)."""
+        ids = self.output_ids
+        if self._read >= len(ids):
+            return
+        before = self._decode(ids[self._prefix : self._read])
+        after = self._decode(ids[self._prefix :])
+        if len(after) > len(before) and (self.finished or not after.endswith(REPLACEMENT)):
+            self.text += after[len(before) :]
+            self._read = len(ids)
+            self._prefix = max(self._prefix, self._read - DETOKENIZE_CONTEXT)
 
     def _apply_stop_strings(self, kept: list[int]) -> list[int]:
         """Find stop strings, also across token boundaries; truncate tokens and text there."""
@@ -145,11 +177,12 @@ class RequestState:
         n = first_new
         while n < len(self.output_ids):
             n += 1
-            if len(self.tokenizer.decode(self.output_ids[:n], skip_special_tokens=True)) >= cut + len(stop):
+            if len(self._decode(self.output_ids[:n])) >= cut + len(stop):
                 break
         del kept[n - first_new:]
         del self.output_ids[n:]
         self.text = self.text[:cut]
+        self._read = self._prefix = len(self.output_ids)  # finished: nothing more is decoded
         self.finish_reason = "stop"
         return kept
 
@@ -196,8 +229,8 @@ class GenerationJob:
         if chunk.get("controller") is not None:
             self.controller = tuple(chunk["controller"])
 
-    def state(self, tokenizer, max_context: int) -> RequestState:
+    def state(self, tokenizer, max_context: int, eos_ids: frozenset[int] | None = None) -> RequestState:
         """The request's state on the replica that runs it now."""
         return RequestState(self.request_id, self.prompt_ids, SamplingParams.model_validate(self.params), tokenizer,
                             max_context, seed=self.seed, output_ids=self.output_ids,
-                            streamed_chars=self.streamed_chars)
+                            streamed_chars=self.streamed_chars, eos_ids=eos_ids)

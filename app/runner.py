@@ -5,13 +5,14 @@ import sys
 from dataclasses import dataclass
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
+from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig, PreTrainedModel
 from transformers.cache_utils import Cache, DynamicLayer
 
 from app.cpu_linear import pack_linears
 from app.kv import KVStore, SequenceCache, common_prefix, grown_capacity
 from app.ragged import LAYOUT, Layout, Span, supports_ragged
 from app.ragged import NAME as RAGGED
+from app.request import tokenizer_eos_ids
 
 DTYPES = {"auto": "auto", "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -27,6 +28,25 @@ def load_model(
     tokenizer = AutoTokenizer.from_pretrained(name_or_path, **kwargs)
     model = AutoModelForCausalLM.from_pretrained(name_or_path, dtype=DTYPES[dtype], **kwargs)
     return model.to(device).eval().requires_grad_(False), tokenizer
+
+
+def eos_ids(generation_config, tokenizer) -> frozenset[int]:
+    """The ids that end generation, as `generate` and vLLM stop on them: the generation config's (often
+    a list on chat models: Llama-3.1-Instruct's <|eom_id|> and <|eot_id|>, Gemma's <end_of_turn>) and
+    the tokenizer's own."""
+    ids = set(tokenizer_eos_ids(tokenizer))
+    eos = getattr(generation_config, "eos_token_id", None)
+    ids.update(eos if isinstance(eos, list) else [eos])
+    return frozenset(ids - {None})
+
+
+def load_generation_config(name_or_path: str, trust_remote_code: bool = False):
+    """A checkpoint's generation config, or None where it ships none."""
+    try:
+        return GenerationConfig.from_pretrained(name_or_path, trust_remote_code=trust_remote_code,
+                                                local_files_only=os.environ.get("HF_HUB_OFFLINE") == "1")
+    except (OSError, ValueError):
+        return None
 
 
 @dataclass
@@ -48,6 +68,7 @@ class ModelRunner:
         # embedding rows past the tokenizer's vocabulary are padding: never sampled, sliced off
         self.vocab_size = min(len(tokenizer), model.get_output_embeddings().weight.shape[0])
         self.max_context = getattr(model.config, "max_position_embeddings", None) or 1 << 30
+        self.eos_ids = eos_ids(getattr(model, "generation_config", None), tokenizer)
         self.cache = KVStore(max_cache_bytes)
         # CPU serving: linears on oneDNN-prepacked weights (app/cpu_linear.py); same maths, 2-3x faster
         self.packed_linears = pack_linears(model) if pack and self.device.type == "cpu" else 0

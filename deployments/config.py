@@ -76,7 +76,9 @@ class LimitsConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     max_tokens_cap: int = Field(4096, ge=1, description="Largest max_tokens a request may ask for.")
-    default_max_tokens: int = Field(16, ge=1, description="max_tokens when a request does not say (OpenAI's 16).")
+    default_max_tokens: int = Field(
+        16, ge=1, description="max_tokens of a completion that does not say (OpenAI's 16); a chat that does not "
+        "say runs to the end of the context, within max_tokens_cap.")
     request_timeout_s: float = Field(300.0, gt=0, description="A request past this ends with 408.")
     max_body_bytes: int = Field(1 << 20, gt=0, description="Larger request bodies get 413.")
     target_retries: int = Field(

@@ -22,8 +22,9 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from transformers import AutoTokenizer
 
 from app import telemetry
-from app.openai_protocol import (ChatCompletionRequest, CompletionRequest, completion_body, error_body, new_id,
-                                 sse_event)
+from app.errors import InvalidRequestError
+from app.openai_protocol import (ChatCompletionRequest, CompletionRequest, chat_prompt_ids, completion_body,
+                                 default_max_tokens, error_body, new_id, sse_event)
 from app.params import SpeculationParams
 from deployments.config import AppConfig
 from deployments.router import Router
@@ -155,9 +156,10 @@ class Ingress:
 
     def _prompt_ids(self, body, chat: bool) -> list[int]:
         if chat:
-            messages = [m.model_dump() for m in body.messages]
-            ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-            return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
+            try:
+                return chat_prompt_ids(self.tokenizer, body.messages)
+            except InvalidRequestError as e:
+                raise APIError(400, str(e), "invalid_request_error", e.param) from None
         if isinstance(body.prompt, str):
             return self.tokenizer(body.prompt)["input_ids"]
         vocab = len(self.tokenizer)
@@ -172,7 +174,7 @@ class Ingress:
                            "invalid_request_error", "messages" if chat else "prompt", "context_length_exceeded")
         asked = (body.max_completion_tokens or body.max_tokens) if chat else body.max_tokens
         if asked is None:
-            return min(self.cfg.limits.default_max_tokens, room)
+            return default_max_tokens(chat, room, self.cfg.limits.default_max_tokens, self.cfg.limits.max_tokens_cap)
         if asked > self.cfg.limits.max_tokens_cap:
             raise APIError(400, f"max_tokens must be <= {self.cfg.limits.max_tokens_cap}", "invalid_request_error",
                            "max_tokens")

@@ -20,7 +20,7 @@ from app.driver import DraftPolicy
 from app.engine import Engine
 from app.forward_queue import ForwardQueue, in_thread
 from app.request import GenerationJob
-from app.runner import ModelRunner, SeqInput
+from app.runner import ModelRunner, SeqInput, eos_ids, load_generation_config
 from app.spec import Proposal, propose, verify, verify_tokens
 from deployments.affinity import Calls
 from deployments.config import BatchConfig, ModelConfig, SpeculationConfig, TargetBatchConfig, TargetConfig
@@ -141,7 +141,7 @@ class TargetServer(_Server):
         self.ranks: RankGroup | None = None
         if cfg.tensor_parallel_size == 1:
             self.runner = load_runner(cfg, path)
-            tokenizer, vocab = self.runner.tokenizer, self.runner.vocab_size
+            tokenizer, vocab, eos = self.runner.tokenizer, self.runner.vocab_size, self.runner.eos_ids
             forward, release = in_thread(functools.partial(verify, self.runner)), self._release
         else:
             from transformers import AutoTokenizer
@@ -150,6 +150,7 @@ class TargetServer(_Server):
             self.ranks = RankGroup(cfg, path, self.replica_id)
             tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=cfg.trust_remote_code)
             vocab = len(tokenizer)
+            eos = eos_ids(load_generation_config(path, cfg.trust_remote_code), tokenizer)
             forward, release = self.ranks.verify, self._release_ranks
         self.queue = self._queue(forward, release, batch, "TargetServer.verify", max_tokens=batch.max_batch_tokens,
                                  cost=verify_tokens)
@@ -164,7 +165,7 @@ class TargetServer(_Server):
         self.engine = Engine(self.queue, DraftClient(draft, max_batch=None) if draft is not None else None,
                              tokenizer=tokenizer, vocab_size=vocab, max_context=max_context,
                              k_max=speculation.k_max, policy=policy, verify_cost=self._verify_cost,
-                             prefill_chunk=batch.prefill_chunk_tokens)
+                             prefill_chunk=batch.prefill_chunk_tokens, eos_ids=eos)
 
     @staticmethod
     async def _connect(draft) -> None:
