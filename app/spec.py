@@ -83,11 +83,11 @@ class Verdict:
     stats: dict = field(default_factory=dict)
 
 
-def _sampling_tensors(params: list[SamplingParams], repeat: int = 1):
-    """(temperature, top_k, top_p) as [N * repeat] tensors."""
-    t = torch.tensor([p.temperature for p in params]).repeat_interleave(repeat)
-    k = torch.tensor([p.top_k for p in params]).repeat_interleave(repeat)
-    p_ = torch.tensor([p.top_p for p in params]).repeat_interleave(repeat)
+def _sampling_tensors(params: list[SamplingParams], device: torch.device, repeat: int = 1):
+    """(temperature, top_k, top_p) as [N * repeat] tensors on `device` (the logits')."""
+    t = torch.tensor([p.temperature for p in params], device=device).repeat_interleave(repeat)
+    k = torch.tensor([p.top_k for p in params], device=device).repeat_interleave(repeat)
+    p_ = torch.tensor([p.top_p for p in params], device=device).repeat_interleave(repeat)
     return t, k, p_
 
 
@@ -99,13 +99,15 @@ def _truncate_top_n(probs: torch.Tensor, top_n: int) -> tuple[torch.Tensor, torc
 
 
 def _draft_step(logits: torch.Tensor, items: list[ProposeItem], positions: torch.Tensor, top_n: int):
-    """Sample one draft token per row. logits [B, V]; positions [B] absolute -> tokens, q_ids, q_probs."""
+    """Sample one draft token per row. logits [B, V]; positions [B] absolute, on the logits' device ->
+    tokens, q_ids, q_probs there."""
+    device = logits.device
     if all(it.sampling.greedy for it in items):  # q is one-hot at the argmax: nothing to sample
         tokens = logits.argmax(-1)
-        return tokens, tokens.unsqueeze(-1), torch.ones(len(items), 1)
-    temperature, top_k, top_p = _sampling_tensors([it.sampling for it in items])
+        return tokens, tokens.unsqueeze(-1), torch.ones(len(items), 1, device=device)
+    temperature, top_k, top_p = _sampling_tensors([it.sampling for it in items], device)
     q_ids, q_probs = _truncate_top_n(process_logits(logits, temperature, top_k, top_p), top_n)
-    seeds = torch.tensor([it.seed for it in items])
+    seeds = torch.tensor([it.seed for it in items], device=device)
     col = sample(q_probs, uniform(seeds, positions, DRAFT))
     tokens = q_ids.gather(-1, col.unsqueeze(-1)).squeeze(-1)
     return tokens, q_ids, q_probs
@@ -119,9 +121,9 @@ def _guess(logits: torch.Tensor, items: list[ProposeItem], positions: torch.Tens
     if all(it.sampling.greedy for it in items):
         return logits.argmax(-1)
     device = logits.device
-    q = process_logits(logits, *(t.to(device) for t in _sampling_tensors([it.sampling for it in items])))
+    q = process_logits(logits, *_sampling_tensors([it.sampling for it in items], device))
     seeds = torch.tensor([it.seed for it in items], device=device)
-    return sample(q, uniform(seeds, positions.to(device), EMIT))
+    return sample(q, uniform(seeds, positions, EMIT))
 
 
 def propose(runner: ModelRunner, items: list[ProposeItem], top_n: int = 32) -> list[Proposal]:
@@ -133,7 +135,7 @@ def propose(runner: ModelRunner, items: list[ProposeItem], top_n: int = 32) -> l
     batch_items = [items[i] for i in live]
     batch = runner.open([SeqInput(it.seq_id, it.token_ids, 1) for it in batch_items])
     logits = torch.stack([lg[-1] for lg in batch.logits])
-    positions = torch.tensor([len(it.token_ids) for it in batch_items])
+    positions = torch.tensor([len(it.token_ids) for it in batch_items], device=logits.device)
     drafted = [it.k + it.guess for it in batch_items]  # the guess is one more draft step
     steps = max(drafted)
     tokens, ids, probs = [], [], []
@@ -146,7 +148,8 @@ def propose(runner: ModelRunner, items: list[ProposeItem], top_n: int = 32) -> l
         if step + 1 < steps:
             logits = batch.extend(t.tolist())
     batch.close([len(it.token_ids) + n - 1 for it, n in zip(batch_items, drafted)])
-    tokens, ids, probs = torch.stack(tokens, 1), torch.stack(ids, 1), torch.stack(probs, 1)  # [B, steps, ...]
+    # [B, steps, ...]; a proposal leaves the draft's device: it is pickled to target replicas that may have none
+    tokens, ids, probs = torch.stack(tokens, 1).cpu(), torch.stack(ids, 1).cpu(), torch.stack(probs, 1).cpu()
     for row, i in enumerate(live):
         k = items[i].k
         row_tokens = tokens[row, : drafted[row]].tolist()
@@ -180,33 +183,36 @@ def _verdicts(batch, items: list[VerifyItem], vocab_size: int, kept_chunks: list
         verdicts = _greedy_verdicts(logits, items)
         batch.close([len(it.token_ids) + vd.accepted for it, vd in zip(items, verdicts)] + kept_chunks)
         return verdicts
-    b, v = len(items), vocab_size
-    padded = torch.zeros(b, kmax + 1, v)
+    # everything on the target's device: its logits never cross to the host, only the verdicts' ids do
+    b, v, device = len(items), vocab_size, logits[0].device
+    padded = torch.zeros(b, kmax + 1, v, device=device)
     for i, lg in enumerate(logits):
         padded[i, : lg.shape[0]] = lg
-    temperature, top_k, top_p = _sampling_tensors([it.sampling for it in items], kmax + 1)
+    temperature, top_k, top_p = _sampling_tensors([it.sampling for it in items], device, kmax + 1)
     p = process_logits(padded.view(-1, v), temperature, top_k, top_p).view(b, kmax + 1, v)
 
     m = max(it.proposal.q_ids.shape[-1] for it in items)
-    draft = torch.zeros(b, kmax, dtype=torch.long)
-    q_ids = torch.zeros(b, kmax, m, dtype=torch.long)
-    q_probs = torch.zeros(b, kmax, m)
+    draft = torch.zeros(b, kmax, dtype=torch.long, device=device)
+    q_ids = torch.zeros(b, kmax, m, dtype=torch.long, device=device)
+    q_probs = torch.zeros(b, kmax, m, device=device)
     for i, (it, k) in enumerate(zip(items, ks)):
         if k:
-            draft[i, :k] = torch.tensor(it.proposal.tokens)
+            draft[i, :k] = torch.tensor(it.proposal.tokens, device=device)
             mi = it.proposal.q_ids.shape[-1]
-            q_ids[i, :k, :mi] = it.proposal.q_ids
-            q_probs[i, :k, :mi] = it.proposal.q_probs
+            q_ids[i, :k, :mi] = it.proposal.q_ids.to(device)
+            q_probs[i, :k, :mi] = it.proposal.q_probs.to(device)
+
+    def column(values, dtype=None):
+        return torch.tensor(values, dtype=dtype, device=device)
+
     accepted, tokens = rejection_sample(
-        p, draft, q_ids, q_probs,
-        num_draft=torch.tensor(ks), greedy=torch.tensor([it.sampling.greedy for it in items]),
-        seeds=torch.tensor([it.seed for it in items]), start_pos=torch.tensor([len(it.token_ids) for it in items]),
+        p, draft, q_ids, q_probs, num_draft=column(ks), greedy=column([it.sampling.greedy for it in items]),
+        seeds=column([it.seed for it in items], torch.long),
+        start_pos=column([len(it.token_ids) for it in items]),
     )
-    batch.close([len(it.token_ids) + int(a) for it, a in zip(items, accepted)] + kept_chunks)
-    return [
-        Verdict(tokens[i, : int(accepted[i]) + 1].tolist(), int(accepted[i]), ks[i], {"batch_size": b})
-        for i in range(b)
-    ]
+    accepted, tokens = accepted.tolist(), tokens.tolist()
+    batch.close([len(it.token_ids) + a for it, a in zip(items, accepted)] + kept_chunks)
+    return [Verdict(tokens[i][: accepted[i] + 1], accepted[i], ks[i], {"batch_size": b}) for i in range(b)]
 
 
 def _greedy_verdicts(logits: list[torch.Tensor], items: list[VerifyItem]) -> list[Verdict]:
