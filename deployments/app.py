@@ -9,8 +9,9 @@ from pathlib import Path
 from ray import serve
 from ray.serve import Application
 from ray.serve.config import RequestRouterConfig
-from transformers import AutoConfig
+from transformers import AutoConfig, AutoTokenizer
 
+from app.compat import check_vocabularies
 from deployments.affinity import SessionAffinityRouter
 from deployments.config import AppConfig
 from deployments.ingress import Ingress
@@ -49,6 +50,11 @@ def build_app(args: dict) -> Application:
     """The specserve application; `args` is AppConfig (the `args` of cluster/serve_config.yaml)."""
     cfg = AppConfig.model_validate(args or {})
     target_path, draft_path = resolve_models(cfg)
+    if draft_path:
+        # refused here, before any replica starts, not by every batch once the app takes traffic
+        check_vocabularies(
+            AutoTokenizer.from_pretrained(target_path, trust_remote_code=cfg.target.trust_remote_code),
+            AutoTokenizer.from_pretrained(draft_path, trust_remote_code=cfg.draft.trust_remote_code))
     max_context = getattr(AutoConfig.from_pretrained(target_path), "max_position_embeddings", None) or 1 << 30
     name = cfg.served_model_name or Path(target_path.rstrip("/")).name
     affinity = RequestRouterConfig(request_router_class=SessionAffinityRouter)

@@ -126,3 +126,17 @@ def test_a_chat_without_max_tokens_runs_to_the_context_end():
     assert default_max_tokens(chat=True, room=3000, completions_default=16, cap=4096) == 3000
     assert default_max_tokens(chat=True, room=9000, completions_default=16, cap=4096) == 4096
     assert default_max_tokens(chat=False, room=3000, completions_default=16, cap=4096) == 16
+
+
+def test_a_mismatched_draft_is_refused_before_the_app_starts(model_dirs, target_model, tmp_path):
+    from app.errors import VocabularyMismatchError
+    from deployments.app import build_app
+
+    other = make_tokenizer()
+    other.add_tokens(["<extra>"])
+    target_model.save_pretrained(tmp_path / "draft")
+    other.save_pretrained(tmp_path / "draft")
+    args = {"target": {"model": model_dirs["target"]}, "draft": {"model": str(tmp_path / "draft")}}
+    with pytest.raises(VocabularyMismatchError, match="id 98"):
+        build_app(args)
+    assert build_app({**args, "draft": {"model": model_dirs["draft"]}}) is not None  # a matching pair builds
