@@ -157,8 +157,10 @@ class Engine:
         next round joins the next forward at once (a sequence that waited on its stream would miss
         its batch). Whatever has queued while a chunk was being sent goes out as one chunk.
         """
+        job.validate(self.vocab_size)
+        state = job.state(self.tokenizer, self.max_context, self.eos_ids)  # a bad job fails here, alone
         chunks: asyncio.Queue = asyncio.Queue()
-        producer = asyncio.ensure_future(self._produce(job, observer, trace_parent, chunks))
+        producer = asyncio.ensure_future(self._produce(job, state, observer, trace_parent, chunks))
         try:
             while True:
                 merged = await chunks.get()
@@ -173,9 +175,8 @@ class Engine:
             producer.cancel()  # the stream was closed (client gone, replica shutting down): stop the rounds
             await asyncio.gather(producer, return_exceptions=True)
 
-    async def _produce(self, job: GenerationJob, observer: RoundObserver, trace_parent: telemetry.Parent,
-                       chunks: asyncio.Queue) -> None:
-        state = job.state(self.tokenizer, self.max_context, self.eos_ids)
+    async def _produce(self, job: GenerationJob, state: RequestState, observer: RoundObserver,
+                       trace_parent: telemetry.Parent, chunks: asyncio.Queue) -> None:
         controller = self.controller(state.params).restore(job.controller)
         try:
             async for kept in self.stream(state, controller, observer, trace_parent):

@@ -6,6 +6,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from app.errors import InvalidRequestError
 
+MAX_SEED = 2**63 - 1  # seeds ride in int64 tensors beside other requests' (a larger one would fail the batch)
+
 
 class SpeculationParams(BaseModel):
     """Per-request control of speculation (the `speculation` extension of the HTTP API)."""
@@ -41,7 +43,8 @@ class SamplingParams(BaseModel):
     top_p: float = Field(1.0, gt=0.0, le=1.0, description="Nucleus sampling: keep the smallest set with mass >= top_p.")
     top_k: int = Field(0, ge=-1, description="Keep the k most likely tokens; 0 or -1 keeps all.")
     stop: list[str] = Field(default_factory=list, description="Strings that end generation; excluded from the text.")
-    seed: int | None = Field(None, description="Makes sampling reproducible, whatever else is in the batch.")
+    seed: int | None = Field(None, ge=0, le=MAX_SEED,
+                             description="Makes sampling reproducible, whatever else is in the batch.")
     ignore_eos: bool = Field(False, description="Keep generating past the end-of-sequence token.")
     speculation: SpeculationParams = Field(default_factory=SpeculationParams, description="Speculation control.")
 

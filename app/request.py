@@ -4,7 +4,7 @@ import secrets
 from dataclasses import dataclass, field
 
 from app.errors import ContextLengthError, InvalidRequestError
-from app.params import SamplingParams
+from app.params import MAX_SEED, SamplingParams, parse_sampling
 
 REPLACEMENT = "\ufffd"  # what a decoder shows for a UTF-8 sequence cut mid-way
 DETOKENIZE_CONTEXT = 5  # tokens decoded again before new ones: how a piece reads can depend on those before it
@@ -228,6 +228,18 @@ class GenerationJob:
         self.streamed_chars += len(chunk.get("text", ""))
         if chunk.get("controller") is not None:
             self.controller = tuple(chunk["controller"])
+
+    def validate(self, vocab_size: int) -> None:
+        """Refuse a job that would harm the batch it joins, whoever built it (the HTTP front validates
+        its requests; a job sent over a Serve handle is checked here): a token id outside the
+        vocabulary indexes past the embedding (on a GPU, a device fault that poisons the replica),
+        a seed outside int64 fails every co-batched request's tensor."""
+        for name, ids in (("prompt_ids", self.prompt_ids), ("output_ids", self.output_ids)):
+            if not isinstance(ids, list) or any(type(t) is not int or not 0 <= t < vocab_size for t in ids):
+                raise InvalidRequestError(f"{name} must be a list of token ids in [0, {vocab_size})", param=name)
+        if type(self.seed) is not int or not 0 <= self.seed <= MAX_SEED:
+            raise InvalidRequestError(f"seed must be an integer in [0, {MAX_SEED}]", param="seed")
+        parse_sampling(self.params)
 
     def state(self, tokenizer, max_context: int, eos_ids: frozenset[int] | None = None) -> RequestState:
         """The request's state on the replica that runs it now."""

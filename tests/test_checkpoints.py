@@ -140,3 +140,34 @@ def test_a_mismatched_draft_is_refused_before_the_app_starts(model_dirs, target_
     with pytest.raises(VocabularyMismatchError, match="id 98"):
         build_app(args)
     assert build_app({**args, "draft": {"model": model_dirs["draft"]}}) is not None  # a matching pair builds
+
+
+@pytest.mark.parametrize("change, param", [
+    ({"seed": 2**64}, "seed"),
+    ({"seed": -1}, "seed"),
+    ({"prompt_ids": [3, 98]}, "prompt_ids"),  # the vocabulary is 98 tokens
+    ({"prompt_ids": [3, -1]}, "prompt_ids"),
+    ({"output_ids": [5000]}, "output_ids"),
+    ({"params": {"max_tokens": 4, "temperature": -1.0}}, "temperature"),
+])
+def test_a_bad_job_over_the_handle_fails_alone_with_a_typed_error(change, param, target_model, tokenizer):
+    """A job as a Serve handle caller builds it: validated where it runs, failing alone, never hanging."""
+    import asyncio
+
+    from app.request import GenerationJob
+
+    engine = Engine(ModelRunner(target_model, tokenizer), ModelRunner(blend(target_model, 7, 0.85), tokenizer))
+
+    def job(**kw) -> GenerationJob:
+        return GenerationJob(**{"request_id": "r", "prompt_ids": [3, 4, 5], "params": greedy(6), "seed": 1, **kw})
+
+    async def collect(j) -> list[int]:
+        return [t for chunk in [c async for c in engine.run_job(j)] for t in chunk.get("token_ids", [])]
+
+    async def both():
+        return await asyncio.wait_for(asyncio.gather(collect(job(request_id="good")), collect(job(**change)),
+                                                     return_exceptions=True), timeout=60)
+
+    good, bad = asyncio.run(both())
+    assert isinstance(bad, InvalidRequestError) and param in (bad.param or "")
+    assert good == asyncio.run(collect(job(request_id="alone"))) and len(good) == 6
