@@ -20,6 +20,7 @@ from app.driver import DraftPolicy, run_rounds
 from app.forward_queue import ForwardQueue, in_thread
 from app.errors import InvalidRequestError
 from app.params import SamplingParams, parse_sampling
+from app.memory import size_kv_budget
 from app.request import GenerationJob, RequestState
 from app.runner import ModelRunner
 from app.spec import propose, verify, verify_tokens
@@ -36,7 +37,11 @@ class EngineConfig(BaseModel):
     device: str = Field("cpu", description="torch device of both models.")
     k_max: int = Field(8, ge=0, le=32, description="Largest K the controller may choose or a request may pin.")
     draft_top_n: int = Field(32, ge=0, description="Draft distribution truncated to its top-N (exact; 0 = full).")
-    max_cache_bytes: int = Field(1 << 30, gt=0, description="KV cache budget of each model, bytes (LRU beyond).")
+    max_cache_bytes: int | None = Field(
+        None, gt=0, description="KV cache budget of each model, bytes (LRU beyond); None: on a GPU what "
+        "memory_utilization leaves (app/memory.py), on a CPU 1 GiB.")
+    memory_utilization: float = Field(
+        0.9, gt=0, le=1, description="GPU: the share of the device's memory both models may use together.")
     trust_remote_code: bool = Field(False, description="Run model code shipped with the weights (off: safer).")
     draft_ahead: bool = Field(True, description="Draft round n+1 while round n verifies (exact; hides the draft).")
 
@@ -100,10 +105,14 @@ class Engine:
     def from_config(cls, config: EngineConfig) -> "Engine":
         def load(path: str, dtype: str) -> ModelRunner:
             return ModelRunner.from_pretrained(path, dtype=dtype, device=config.device,
-                                               max_cache_bytes=config.max_cache_bytes,
                                                trust_remote_code=config.trust_remote_code)
         target = load(config.target, config.dtype)
         draft = load(config.draft, config.draft_dtype) if config.draft else None
+        # both models share the device: the draft's budget is sized once the target's is taken
+        size_kv_budget(target, config.memory_utilization, config.max_cache_bytes, 2048)
+        if draft is not None:
+            size_kv_budget(draft, config.memory_utilization, config.max_cache_bytes, 2048,
+                           reserved=target.cache.max_bytes)
         return cls(target, draft, k_max=config.k_max, draft_top_n=config.draft_top_n,
                    policy=DraftPolicy(ahead=config.draft_ahead))
 

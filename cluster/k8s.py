@@ -214,8 +214,9 @@ TP = 4  # GPUs per target replica: one pod, one STRICT_PACK placement group of T
 GPU_ARGS = {
     "speculation": {"verify_saturation_tokens": 512},  # a GPU verifies hundreds of tokens for the price of one
     "target": {"model": "meta-llama/Llama-3.1-70B-Instruct", "dtype": "bfloat16", "tensor_parallel_size": TP,
-               "max_cache_bytes": 96 << 30, "rank_resources": {"GPU": 1, "CPU": 4}, "replica_cpus": 1},
-    "draft": {"model": "meta-llama/Llama-3.2-1B-Instruct", "dtype": "bfloat16", "max_cache_bytes": 8 << 30},
+               "memory_utilization": 0.9, "rank_resources": {"GPU": 1, "CPU": 4}, "replica_cpus": 1},
+    # the KV cache of each takes what memory_utilization leaves after weights and working buffers
+    "draft": {"model": "meta-llama/Llama-3.2-1B-Instruct", "dtype": "bfloat16", "memory_utilization": 0.9},
 }
 GPU_DEPLOYMENTS = {
     "DraftServer": {"autoscaling_config": {"max_replicas": 8},

@@ -13,7 +13,13 @@ class ModelConfig(BaseModel):
     model: str | None = Field(None, description="Hub id or local directory; None = the demo pair's model.")
     dtype: str = Field("float32", description="float32, bfloat16, float16 or auto.")
     device: str = Field("auto", description="torch device; auto = cuda when available, else cpu.")
-    max_cache_bytes: int = Field(1 << 30, gt=0, description="KV cache budget per replica, bytes (LRU beyond).")
+    max_cache_bytes: int | None = Field(
+        None, gt=0, description="KV cache budget per replica (per rank in tensor parallel), bytes; least recently "
+        "used sequences are evicted beyond it. None: on a GPU, what memory_utilization leaves; on a CPU, 1 GiB. "
+        "On a GPU a given value only lowers the budget memory_utilization leaves.")
+    memory_utilization: float = Field(
+        0.9, gt=0, le=1, description="GPU: the fraction of the device's memory this replica (or rank) may use for "
+        "weights, working buffers and KV cache together (vLLM's gpu_memory_utilization).")
     trust_remote_code: bool = Field(False, description="Run code shipped with the weights; off unless you trust them.")
     torch_threads: int | None = Field(
         None, ge=1, description="torch CPU threads of each replica (and rank worker); None = Ray's default, one "

@@ -19,6 +19,7 @@ from app import telemetry
 from app.driver import DraftPolicy
 from app.engine import Engine
 from app.forward_queue import ForwardQueue, in_thread
+from app.memory import size_kv_budget
 from app.request import GenerationJob
 from app.runner import ModelRunner, SeqInput, eos_ids, load_generation_config
 from app.spec import Proposal, propose, verify, verify_tokens
@@ -31,13 +32,16 @@ from deployments.tp import RankGroup, set_torch_threads
 
 # measured on 2 CPU cores, demo pair, one stream: 75 -> 105 tok/s speculative, target forward 25 -> 19 ms
 SWITCH_INTERVAL_S = 0.0005
+DRAFT_PREFILL_TOKENS = 4096  # positions of the longest prompt the KV budget leaves working room for
 
 
-def load_runner(cfg: ModelConfig, path: str) -> ModelRunner:
+def load_runner(cfg: ModelConfig, path: str, forward_tokens: int) -> ModelRunner:
+    """The model on its device, its KV budget sized from that device's memory (app/memory.py) for
+    forwards of up to `forward_tokens` positions."""
     set_torch_threads(cfg)
     device = cfg.device if cfg.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
-    runner = ModelRunner.from_pretrained(path, dtype=cfg.dtype, device=device, max_cache_bytes=cfg.max_cache_bytes,
-                                         trust_remote_code=cfg.trust_remote_code)
+    runner = ModelRunner.from_pretrained(path, dtype=cfg.dtype, device=device, trust_remote_code=cfg.trust_remote_code)
+    size_kv_budget(runner, cfg.memory_utilization, cfg.max_cache_bytes, forward_tokens)
     warm_up(runner)
     return runner
 
@@ -115,7 +119,8 @@ class DraftServer(_Server):
 
     def __init__(self, cfg: ModelConfig, path: str, batch: BatchConfig, top_n: int):
         super().__init__()
-        self.runner = load_runner(cfg, path)
+        # a draft forward: a step of every sequence in the batch, or a new sequence's whole prompt
+        self.runner = load_runner(cfg, path, max(batch.max_batch_size, DRAFT_PREFILL_TOKENS))
         self.queue = self._queue(in_thread(functools.partial(propose, self.runner, top_n=top_n)), self._release,
                                  batch, "DraftServer.propose")
 
@@ -140,14 +145,14 @@ class TargetServer(_Server):
         super().__init__()
         self.ranks: RankGroup | None = None
         if cfg.tensor_parallel_size == 1:
-            self.runner = load_runner(cfg, path)
+            self.runner = load_runner(cfg, path, batch.max_batch_tokens)
             tokenizer, vocab, eos = self.runner.tokenizer, self.runner.vocab_size, self.runner.eos_ids
             forward, release = in_thread(functools.partial(verify, self.runner)), self._release
         else:
             from transformers import AutoTokenizer
 
             self.runner = None
-            self.ranks = RankGroup(cfg, path, self.replica_id)
+            self.ranks = RankGroup(cfg, path, self.replica_id, batch.max_batch_tokens)
             tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=cfg.trust_remote_code)
             vocab = len(tokenizer)
             eos = eos_ids(load_generation_config(path, cfg.trust_remote_code), tokenizer)

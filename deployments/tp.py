@@ -18,6 +18,7 @@ from ray.util.placement_group import get_current_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
+from app.memory import size_kv_budget
 from app.runner import DTYPES, ModelRunner
 from app.spec import Verdict, VerifyItem, verify
 from deployments.config import ModelConfig, TargetConfig
@@ -63,7 +64,8 @@ class CacheSnapshot:
 class RankWorker:
     """One rank: a shard of the target in a ModelRunner. Runs calls one at a time, in order."""
 
-    def __init__(self, rank: int, world: int, address: str, port: int, cfg: TargetConfig, path: str):
+    def __init__(self, rank: int, world: int, address: str, port: int, cfg: TargetConfig, path: str,
+                 forward_tokens: int):
         cuda = torch.cuda.is_available() and cfg.device != "cpu"
         os.environ.update(MASTER_ADDR=address, MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
                           LOCAL_RANK="0" if cuda else str(rank))  # Ray gives each rank its own GPU as cuda:0
@@ -75,7 +77,9 @@ class RankWorker:
             path, dtype=DTYPES[cfg.dtype], distributed_config=DistributedConfig(tp_size=world),
             trust_remote_code=cfg.trust_remote_code)
         tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=cfg.trust_remote_code)
-        self.runner = ModelRunner(model.eval(), tokenizer, max_cache_bytes=cfg.max_cache_bytes)
+        self.runner = ModelRunner(model.eval(), tokenizer)
+        # this rank's shard on this rank's device
+        size_kv_budget(self.runner, cfg.memory_utilization, cfg.max_cache_bytes, forward_tokens)
         self.rank = rank
 
     def verify(self, items: list[VerifyItem]) -> tuple[list[Verdict], CacheSnapshot]:
@@ -100,7 +104,7 @@ def _free_port() -> int:
 class RankGroup:
     """The N rank workers of one TargetServer replica, placed in its placement group's bundles."""
 
-    def __init__(self, cfg: TargetConfig, path: str, replica_id: str, timeout_s: float = 120.0):
+    def __init__(self, cfg: TargetConfig, path: str, replica_id: str, forward_tokens: int, timeout_s: float = 120.0):
         n = cfg.tensor_parallel_size
         check_divisible(path, n, cfg.trust_remote_code)
         pg = get_current_placement_group()
@@ -116,7 +120,7 @@ class RankGroup:
                 name=f"specserve-rank-{replica_id}-{i}", namespace="specserve",
                 num_cpus=cfg.rank_resources.get("CPU", 0), num_gpus=gpus, resources=custom, max_restarts=0,
                 scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=i),
-            ).remote(i, n, address, port, cfg, path)
+            ).remote(i, n, address, port, cfg, path, forward_tokens)
             for i in range(n)
         ]
         self.timeout_s = timeout_s
