@@ -6,7 +6,7 @@ VENV ?= .venv
 TORCH_SPEC ?= torch==2.13.0
 BIN := $(VENV)/bin
 
-.PHONY: install serve test bench demo-models
+.PHONY: install serve test bench demo-models gpu-check
 
 $(BIN)/specserve: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -27,3 +27,7 @@ bench: install
 
 test: install
 	$(BIN)/python -m pytest -q
+
+# on a machine with one NVIDIA GPU (and a CUDA torch: see TORCH_SPEC above); no Ray, no network
+gpu-check: install
+	$(BIN)/python -m app.gpu_check --json gpu-check.json

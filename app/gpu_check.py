@@ -1,0 +1,224 @@
+"""`make gpu-check`: the engine on one GPU, checked and timed; exits non-zero on any failure.
+
+Runs on the engine alone (no Ray, no network: every model is built here from a config of a real
+architecture, with random weights scaled so its distributions are peaked like a trained model's):
+
+1. greedy identity: the engine's speculative output equals Hugging Face `generate` of the target
+   alone, in float32 and bfloat16. bf16 near-tie policy: where the two first differ, the target's
+   top two logits at that position (in the reference's own forward) must lie within one bf16
+   rounding step of each other, i.e. the tie is one that batched and stepwise forwards may break
+   differently; any other difference fails.
+2. sampling: the rejection sampler on the device reproduces p (chi-square over many seeded draws).
+3. benchmark: a Llama-shaped target of about 1B parameters and a 2-layer draft in bf16; the K+1
+   verify cost against one step at batch 1, 8 and 32, the cost ratio c, and tok/s of speculative
+   decoding against HF `generate` and HF assisted generation.
+
+`--smoke` shrinks every size so the same code runs in seconds on a CPU (the suite runs it there).
+"""
+
+import argparse
+import json
+import statistics
+import sys
+import time
+
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+from transformers.cache_utils import DynamicCache
+
+from app.bench import MODES, K_MATCHED, Mode, run_engine, run_hf
+from app.engine import Engine
+from app.runner import ModelRunner
+from app.sampling import process_logits, rejection_sample
+
+VOCAB = 32000
+
+
+def tokenizer(vocab: int) -> PreTrainedTokenizerFast:
+    """A word-level tokenizer over `vocab` ids (names t0, t1, ...): ids in, ids out."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    words = {"<s>": 0, "</s>": 1, **{f"t{i}": i for i in range(2, vocab)}}
+    tok = Tokenizer(models.WordLevel(vocab=words, unk_token="</s>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>")
+
+
+def llama(layers: int, hidden: int, vocab: int, seed: int, dtype: torch.dtype, device: str) -> LlamaForCausalLM:
+    torch.manual_seed(seed)
+    heads = max(1, hidden // 64)
+    cfg = LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=int(hidden * 2.75) // 64 * 64,
+                      num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=max(1, heads // 4),
+                      max_position_embeddings=4096, bos_token_id=0, eos_token_id=1, tie_word_embeddings=False)
+    model = LlamaForCausalLM(cfg).eval()
+    with torch.no_grad():
+        model.lm_head.weight.mul_(8.0)  # peaked distributions: greedy is not decided by rounding
+    return model.to(device=device, dtype=dtype).requires_grad_(False)
+
+
+def blend(target: LlamaForCausalLM, layers: int, seed: int, dtype: torch.dtype, device: str) -> LlamaForCausalLM:
+    """A draft sharing the target's embeddings and head (so it agrees often), with its own layers."""
+    cfg = target.config
+    draft = llama(layers, cfg.hidden_size, cfg.vocab_size, seed, dtype, device)
+    with torch.no_grad():
+        draft.model.embed_tokens.weight.copy_(target.model.embed_tokens.weight)
+        draft.lm_head.weight.copy_(target.lm_head.weight)
+        draft.model.norm.weight.copy_(target.model.norm.weight)
+    return draft
+
+
+def prompts(n: int, length: int, vocab: int, seed: int = 0) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(2, vocab, (length,), generator=g).tolist() for _ in range(n)]
+
+
+# --- 1. greedy identity ------------------------------------------------------------------------
+
+@torch.inference_mode()
+def near_tie(model, ids: list[int], position: int) -> tuple[bool, float]:
+    """Whether the target's top two logits at `position` (of ids) are within one rounding step of the
+    model's dtype: (is a near-tie, the gap)."""
+    logits = model(torch.tensor([ids[:position]], device=model.device)).logits[0, -1].float()
+    top = logits.topk(2).values
+    step = torch.finfo(model.dtype).eps * top[0].abs().item() * 4  # a few ulps of the largest logit
+    return (top[0] - top[1]).item() <= step, (top[0] - top[1]).item()
+
+
+def check_identity(dtype: torch.dtype, device: str, smoke: bool) -> dict:
+    layers, hidden, vocab, n_tokens = (2, 64, 512, 24) if smoke else (4, 512, VOCAB, 64)
+    target = llama(layers, hidden, vocab, 1, dtype, device)
+    draft = blend(target, 1, 2, dtype, device)
+    tok = tokenizer(vocab)
+    engine = Engine(ModelRunner(target, tok), ModelRunner(draft, tok))
+    report = {"dtype": str(dtype).removeprefix("torch."), "prompts": 0, "identical": 0, "near_ties": [], "failed": []}
+    for ids in prompts(3 if smoke else 8, 40, vocab):
+        out = run_engine(engine, ids, MODES["spec-k4"], n_tokens).tokens
+        ref = run_hf(engine, ids, MODES["hf-target"], n_tokens).tokens
+        report["prompts"] += 1
+        if out == ref:
+            report["identical"] += 1
+            continue
+        j = next(i for i, (a, b) in enumerate(zip(out, ref)) if a != b)
+        tie, gap = near_tie(target, ids + ref, len(ids) + j)
+        entry = {"position": j, "top2_gap": gap}
+        (report["near_ties"] if tie and dtype != torch.float32 else report["failed"]).append(entry)
+    report["ok"] = not report["failed"]
+    return report
+
+
+# --- 2. sampling -------------------------------------------------------------------------------
+
+def check_sampling(device: str, smoke: bool) -> dict:
+    """Draft q and target p over a small vocabulary; the first emitted token's frequencies over many
+    seeds must match p (the rejection sampler's promise), on the device."""
+    from scipy import stats
+
+    v, n = 12, (20_000 if smoke else 400_000)
+    g = torch.Generator().manual_seed(3)
+    p_logits, q_logits = torch.randn(1, v, generator=g) * 1.5, torch.randn(1, v, generator=g) * 1.5
+    dev = torch.device(device)
+    p = process_logits(p_logits.to(dev), torch.tensor([0.9], device=dev), torch.tensor([0], device=dev),
+                       torch.tensor([1.0], device=dev))  # [1, V]
+    q = torch.softmax(q_logits.to(dev) / 0.9, -1)
+    seeds = torch.arange(n, device=dev)
+    # one draft token per row, drawn from q with the draft's own uniforms
+    u = ((seeds * 0x9E3779B1 + 12345) % (1 << 31)).double() / (1 << 31)
+    draft = torch.searchsorted(q.double().cumsum(-1).expand(n, v).contiguous(), u.unsqueeze(-1)).clamp(max=v - 1)
+    target_probs = p.expand(n, v).unsqueeze(1).repeat(1, 2, 1)  # [n, K+1 = 2, V]
+    ids = torch.arange(v, device=dev).expand(n, 1, v)
+    accepted, tokens = rejection_sample(
+        target_probs, draft, ids, q.expand(n, 1, v), num_draft=torch.ones(n, dtype=torch.long, device=dev),
+        greedy=torch.zeros(n, dtype=torch.bool, device=dev), seeds=seeds, start_pos=torch.zeros_like(seeds))
+    first = tokens[:, 0].cpu()  # the emitted token: the accepted draft token or the recovered one
+    counts = torch.bincount(first, minlength=v).double().numpy()
+    expected = p[0].double().cpu().numpy() * n
+    pvalue = float(stats.chisquare(counts, expected * counts.sum() / expected.sum()).pvalue)
+    return {"draws": n, "acceptance": accepted.double().mean().item(), "chi2_pvalue": pvalue, "ok": pvalue > 1e-4}
+
+
+# --- 3. benchmark ------------------------------------------------------------------------------
+
+def _sync(device) -> None:
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize()
+
+
+@torch.inference_mode()
+def step_ms(model, batch: int, context: int, new: int, steps: int) -> float:
+    """Median ms of one forward of `new` tokens per row for `batch` rows over a `context` KV cache."""
+    device = model.device
+    ids = torch.randint(2, model.config.vocab_size, (batch, context + new * (steps + 3)), device=device)
+    cache = DynamicCache()
+    model(ids[:, :context], past_key_values=cache, use_cache=True)
+    times, pos = [], context
+    for _ in range(steps + 3):
+        _sync(device)
+        t0 = time.perf_counter()
+        model(ids[:, pos:pos + new], past_key_values=cache, use_cache=True)
+        _sync(device)
+        times.append(time.perf_counter() - t0)
+        pos += new
+    return statistics.median(times[3:]) * 1e3
+
+
+def benchmark(device: str, smoke: bool) -> dict:
+    dtype = torch.float32 if smoke else torch.bfloat16
+    # ~1.1B parameters: 16 layers of hidden 2048 (MLP 5632), vocabulary 32000; the draft: 2 layers
+    layers, hidden, vocab = (2, 128, 1024) if smoke else (16, 2048, VOCAB)
+    target = llama(layers, hidden, vocab, 1, dtype, device)
+    draft = blend(target, 2 if not smoke else 1, 2, dtype, device)
+    params = sum(p.numel() for p in target.parameters())
+    steps, context, k = (3, 32, 4) if smoke else (20, 512, 4)
+    costs = {}
+    for b in (1, 8, 32):
+        one, verify = step_ms(target, b, context, 1, steps), step_ms(target, b, context, k + 1, steps)
+        costs[b] = {"step_ms": one, "verify_ms": verify, "verify_over_step": verify / one}
+    c = step_ms(draft, 1, context, 1, steps) / costs[1]["step_ms"]
+    tok = tokenizer(vocab)
+    engine = Engine(ModelRunner(target, tok), ModelRunner(draft, tok))
+    n_tokens = 16 if smoke else 128
+    speed = {}
+    for name, mode in [("speculative K=4", MODES["spec-k4"]), ("speculative auto", MODES["spec-auto"]),
+                       ("HF generate", MODES["hf-target"]),
+                       ("HF assisted K=4", Mode("hf-assisted-k4", assistant=K_MATCHED, hf=True))]:
+        runs = [(run_hf if mode.hf else run_engine)(engine, ids, mode, n_tokens)
+                for ids in prompts(2 if smoke else 4, context, vocab, seed=7)]
+        speed[name] = sum(len(r.tokens) for r in runs) / sum(r.seconds for r in runs)
+    return {"target_params": params, "dtype": str(dtype).removeprefix("torch."), "k": k, "context": context,
+            "costs_by_batch": costs, "c": c, "tokens_per_s": speed, "ok": True}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m app.gpu_check", description=__doc__.splitlines()[0])
+    p.add_argument("--device", default="cuda", help="torch device (default cuda)")
+    p.add_argument("--smoke", action="store_true", help="tiny sizes: the same code in seconds, e.g. on a CPU")
+    p.add_argument("--json", help="write the report here")
+    args = p.parse_args(argv)
+    if args.device.startswith("cuda") and not torch.cuda.is_available():
+        print("gpu-check: no CUDA device visible to torch", file=sys.stderr)
+        return 2
+    report = {"device": torch.cuda.get_device_name() if args.device.startswith("cuda") else args.device}
+    steps = [("identity_fp32", lambda: check_identity(torch.float32, args.device, args.smoke)),
+             ("identity_bf16", lambda: check_identity(torch.bfloat16, args.device, args.smoke)),
+             ("sampling", lambda: check_sampling(args.device, args.smoke)),
+             ("benchmark", lambda: benchmark(args.device, args.smoke))]
+    for name, run in steps:
+        t0 = time.perf_counter()
+        print(f"gpu-check: {name} ...", flush=True)
+        try:
+            report[name] = run()
+        except Exception as e:  # a crash is a failed check, reported with the others
+            report[name] = {"ok": False, "error": f"{type(e).__name__}: {e}"}
+        report[name]["seconds"] = round(time.perf_counter() - t0, 1)
+        print(f"gpu-check: {name}: {'ok' if report[name]['ok'] else 'FAILED'} "
+              f"{json.dumps({k: v for k, v in report[name].items() if k != 'ok'})}", flush=True)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(report, f, indent=2)
+    failed = [name for name, _ in steps if not report[name]["ok"]]
+    print("gpu-check: " + ("all passed" if not failed else f"FAILED: {', '.join(failed)}"))
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
