@@ -175,3 +175,64 @@ def test_rounds_of_changing_batches_keep_every_cache_exact(target_runner, target
         assert batch.recomputed == 1
         torch.testing.assert_close(batch.logits[0], fresh_logits(target_model, ids + [5], 1), atol=ATOL, rtol=0)
         batch.close([len(ids)])
+
+
+def test_kv_store_mutates_its_maps_only_under_its_lock():
+    """Releases come from the event loop while forwards put and evict in a worker thread: every change
+    to the store's maps must hold its lock (checked on each change, whatever the thread timing)."""
+    import threading
+    from collections import OrderedDict
+
+    from app.kv import KVStore, SequenceCache
+
+    store = KVStore(max_bytes=6 * 4 * 8 * 32)  # room for a few entries: puts evict
+    changes = []
+
+    def guarded(base):
+        class Guarded(base):
+            def _check(self):
+                changes.append(store._lock._is_owned())
+
+            def __setitem__(self, k, v):
+                self._check()
+                super().__setitem__(k, v)
+
+            def __delitem__(self, k):
+                self._check()
+                super().__delitem__(k)
+
+            def pop(self, *a):
+                self._check()
+                return super().pop(*a)
+
+            def move_to_end(self, *a):
+                self._check()
+                return super().move_to_end(*a)
+        return Guarded
+
+    for name in ("_entries", "_retired", "_sizes", "_index", "_keys"):
+        old = getattr(store, name)
+        setattr(store, name, guarded(OrderedDict if isinstance(old, OrderedDict) else dict)(old))
+
+    def entry(ids):
+        slab = [(torch.zeros(1, 32, 4), torch.zeros(1, 32, 4))]
+        return SequenceCache(list(ids), slab)
+
+    def forwards():
+        for i in range(200):
+            store.put(f"s{i % 7}", entry(range(i % 5, i % 5 + 20)))
+            store.borrow(list(range(20)), 19)
+
+    def releases():
+        for i in range(200):
+            store.retire(f"s{i % 7}")
+            store.get(f"s{(i + 3) % 7}")
+            if i % 11 == 0:
+                store.drop(f"s{i % 7}")
+
+    threads = [threading.Thread(target=forwards), threading.Thread(target=releases)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    assert changes and all(changes)
