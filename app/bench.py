@@ -201,10 +201,10 @@ def _sync(device: torch.device) -> None:
 
 
 @torch.inference_mode()
-def forward_ms(model, context: int, new_tokens: int = 1, steps: int = 20) -> float:
-    """Median ms of one forward of `new_tokens` tokens over a KV cache of ~`context`, batch 1."""
+def forward_ms(model, context: int, new_tokens: int = 1, steps: int = 20, batch: int = 1) -> float:
+    """Median ms of one forward of `new_tokens` tokens per row, `batch` rows, over a KV cache of ~`context`."""
     device = next(model.parameters()).device
-    ids = torch.randint(2, model.config.vocab_size, (1, context + new_tokens * (steps + 3)), device=device)
+    ids = torch.randint(2, model.config.vocab_size, (batch, context + new_tokens * (steps + 3)), device=device)
     cache = DynamicCache()
     model(ids[:, :context], past_key_values=cache, use_cache=True)
     times, pos = [], context
@@ -387,7 +387,7 @@ def format_table(report: dict) -> str:
             f"{'tau':>6}{'acc':>6}{'alpha':>6}{'K':>5}{'c_est':>7}{'bound':>7}{'eff':>6}  same")
     lines = [head, "-" * len(head)]
     for name, r in report["modes"].items():
-        pair = lambda d: f"{_fmt(d['p50'], '.1f')}/{_fmt(d['p99'], '.1f')}"  # noqa: E731
+        pair = lambda d: f"{_fmt(d['p50'], '.1f')}/{_fmt(d['p99'], '.1f')}"
         lines.append(
             f"{name:<15}{r['output_tokens_per_s']:>8.1f}{r['speedup']:>6.2f}{pair(r['ttft_ms']):>15}"
             f"{pair(r['tpot_ms']):>15}{pair(r['itl_ms']):>15}{_fmt(r['tau']):>6}{_fmt(r['acceptance_rate']):>6}"

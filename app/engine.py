@@ -17,10 +17,10 @@ from app import telemetry
 from app.compat import check_vocabularies
 from app.controller import CostEstimator, KController, KControllerConfig
 from app.driver import DraftPolicy, run_rounds
-from app.forward_queue import ForwardQueue, in_thread
 from app.errors import InvalidRequestError
-from app.params import SamplingParams, parse_sampling
+from app.forward_queue import ForwardQueue, in_thread
 from app.memory import size_kv_budget
+from app.params import SamplingParams, parse_sampling
 from app.request import GenerationJob, RequestState
 from app.runner import ModelRunner
 from app.spec import propose, verify, verify_tokens

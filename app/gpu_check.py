@@ -18,15 +18,13 @@ architecture, with random weights scaled so its distributions are peaked like a 
 
 import argparse
 import json
-import statistics
 import sys
 import time
 
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
-from transformers.cache_utils import DynamicCache
 
-from app.bench import MODES, K_MATCHED, Mode, run_engine, run_hf
+from app.bench import K_MATCHED, MODES, Mode, forward_ms, run_engine, run_hf
 from app.engine import Engine
 from app.runner import ModelRunner
 from app.sampling import process_logits, rejection_sample
@@ -138,29 +136,6 @@ def check_sampling(device: str, smoke: bool) -> dict:
 
 # --- 3. benchmark ------------------------------------------------------------------------------
 
-def _sync(device) -> None:
-    if torch.device(device).type == "cuda":
-        torch.cuda.synchronize()
-
-
-@torch.inference_mode()
-def step_ms(model, batch: int, context: int, new: int, steps: int) -> float:
-    """Median ms of one forward of `new` tokens per row for `batch` rows over a `context` KV cache."""
-    device = model.device
-    ids = torch.randint(2, model.config.vocab_size, (batch, context + new * (steps + 3)), device=device)
-    cache = DynamicCache()
-    model(ids[:, :context], past_key_values=cache, use_cache=True)
-    times, pos = [], context
-    for _ in range(steps + 3):
-        _sync(device)
-        t0 = time.perf_counter()
-        model(ids[:, pos:pos + new], past_key_values=cache, use_cache=True)
-        _sync(device)
-        times.append(time.perf_counter() - t0)
-        pos += new
-    return statistics.median(times[3:]) * 1e3
-
-
 def benchmark(device: str, smoke: bool) -> dict:
     dtype = torch.float32 if smoke else torch.bfloat16
     # ~1.1B parameters: 16 layers of hidden 2048 (MLP 5632), vocabulary 32000; the draft: 2 layers
@@ -171,9 +146,9 @@ def benchmark(device: str, smoke: bool) -> dict:
     steps, context, k = (3, 32, 4) if smoke else (20, 512, 4)
     costs = {}
     for b in (1, 8, 32):
-        one, verify = step_ms(target, b, context, 1, steps), step_ms(target, b, context, k + 1, steps)
+        one, verify = forward_ms(target, context, 1, steps, b), forward_ms(target, context, k + 1, steps, b)
         costs[b] = {"step_ms": one, "verify_ms": verify, "verify_over_step": verify / one}
-    c = step_ms(draft, 1, context, 1, steps) / costs[1]["step_ms"]
+    c = forward_ms(draft, context, 1, steps) / costs[1]["step_ms"]
     tok = tokenizer(vocab)
     engine = Engine(ModelRunner(target, tok), ModelRunner(draft, tok))
     n_tokens = 16 if smoke else 128
@@ -207,7 +182,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"gpu-check: {name} ...", flush=True)
         try:
             report[name] = run()
-        except Exception as e:  # a crash is a failed check, reported with the others
+        except Exception as e:
             report[name] = {"ok": False, "error": f"{type(e).__name__}: {e}"}
         report[name]["seconds"] = round(time.perf_counter() - t0, 1)
         print(f"gpu-check: {name}: {'ok' if report[name]['ok'] else 'FAILED'} "

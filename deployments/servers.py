@@ -24,11 +24,16 @@ from app.request import GenerationJob
 from app.runner import ModelRunner, SeqInput, eos_ids, load_generation_config
 from app.spec import Proposal, propose, verify, verify_tokens
 from deployments.affinity import Calls
-from deployments.config import BatchConfig, ModelConfig, SpeculationConfig, TargetBatchConfig, TargetConfig
+from deployments.config import (
+    BatchConfig,
+    ModelConfig,
+    SpeculationConfig,
+    TargetBatchConfig,
+    TargetConfig,
+)
 from deployments.draft_client import DraftClient
 from deployments.metrics import RoundMetrics, ServerMetrics
 from deployments.tp import RankGroup, set_torch_threads
-
 
 # measured on 2 CPU cores, demo pair, one stream: 75 -> 105 tok/s speculative, target forward 25 -> 19 ms
 SWITCH_INTERVAL_S = 0.0005

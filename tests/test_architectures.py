@@ -5,15 +5,22 @@ Hugging Face `generate` of the target alone."""
 
 import pytest
 import torch
-from transformers import (AutoModelForCausalLM, Gemma2Config, Gemma3TextConfig, LlamaConfig, MistralConfig,
-                          Qwen2Config, Qwen3Config)
+from transformers import (
+    AutoModelForCausalLM,
+    Gemma2Config,
+    Gemma3TextConfig,
+    LlamaConfig,
+    MistralConfig,
+    Qwen2Config,
+    Qwen3Config,
+)
 
 from app.engine import Engine
 from app.runner import ModelRunner
 from tests.conftest import VOCAB
 
-SMALL = dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-             max_position_embeddings=256, bos_token_id=0, eos_token_id=1, pad_token_id=1)
+SMALL = {"hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 4, "num_key_value_heads": 2,
+         "head_dim": 16, "max_position_embeddings": 256, "bos_token_id": 0, "eos_token_id": 1, "pad_token_id": 1}
 
 
 def llama3(layers: int, vocab: int):

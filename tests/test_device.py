@@ -7,8 +7,21 @@ import torch
 
 from app.params import SamplingParams
 from app.sampling import process_logits, rejection_sample, sample, uniform
-from app.spec import Proposal, ProposeItem, VerifyItem, _draft_step, _guess, _verdicts, propose
-from tests.device_guard import MixedDeviceError, guard, is_on_accelerator, on_accelerator
+from app.spec import (
+    Proposal,
+    ProposeItem,
+    VerifyItem,
+    _draft_step,
+    _guess,
+    _verdicts,
+    propose,
+)
+from tests.device_guard import (
+    MixedDeviceError,
+    guard,
+    is_on_accelerator,
+    on_accelerator,
+)
 
 V = 50
 
@@ -31,10 +44,12 @@ def test_the_guard_catches_what_a_gpu_would_refuse():
 
 def test_sampling_and_rejection_run_on_the_logits_device():
     p_logits, b, k = logits(2, 4), 2, 3
-    args = lambda dev: dict(  # noqa: E731
-        draft_tokens=dev(torch.tensor([[3, 4, 5], [6, 7, 0]])), q_ids=dev(torch.tensor([[[3], [4], [5]], [[6], [7], [0]]])),
-        q_probs=dev(torch.ones(b, k, 1)), num_draft=dev(torch.tensor([3, 2])), greedy=dev(torch.tensor([False, True])),
-        seeds=dev(torch.tensor([1, 2])), start_pos=dev(torch.tensor([10, 20])))
+    def args(dev) -> dict:
+        return {"draft_tokens": dev(torch.tensor([[3, 4, 5], [6, 7, 0]])),
+                "q_ids": dev(torch.tensor([[[3], [4], [5]], [[6], [7], [0]]])), "q_probs": dev(torch.ones(b, k, 1)),
+                "num_draft": dev(torch.tensor([3, 2])), "greedy": dev(torch.tensor([False, True])),
+                "seeds": dev(torch.tensor([1, 2])), "start_pos": dev(torch.tensor([10, 20]))}
+
     t, tk, tp = torch.tensor([0.8, 0.0]).repeat_interleave(4), torch.zeros(8, dtype=torch.long), torch.full((8,), 0.9)
     expected = rejection_sample(process_logits(p_logits.view(-1, V), t, tk, tp).view(b, 4, V), **args(lambda x: x))
     with guard():

@@ -2,7 +2,7 @@
 
 import json
 
-import app.gpu_check as gpu_check
+from app import gpu_check
 
 
 def test_the_gpu_check_runs_end_to_end_at_smoke_sizes(tmp_path):

@@ -3,7 +3,13 @@
 import pytest
 import torch
 
-from app.memory import CPU_DEFAULT_BYTES, InsufficientMemoryError, kv_budget, size_kv_budget, working_bytes
+from app.memory import (
+    CPU_DEFAULT_BYTES,
+    InsufficientMemoryError,
+    kv_budget,
+    size_kv_budget,
+    working_bytes,
+)
 from app.runner import ModelRunner
 
 GiB = 2**30
