@@ -26,6 +26,8 @@ from app.runner import ModelRunner
 from app.spec import propose, verify, verify_tokens
 from app.telemetry import NoObserver, RoundObserver
 
+MAX_BATCH_TOKENS = 2048  # most positions one target forward computes in process (the KV budget leaves room for it)
+
 
 class EngineConfig(BaseModel):
     """How the engine loads its models and speculates."""
@@ -77,7 +79,7 @@ class Engine:
                  tokenizer=None, vocab_size: int | None = None, max_context: int | None = None,
                  k_max: int = 8, draft_top_n: int = 32, policy: DraftPolicy | None = None,
                  verify_cost: Callable[[], float] = lambda: 0.0, prefill_chunk: int | None = 512,
-                 max_batch_tokens: int | None = 2048, eos_ids: frozenset[int] | None = None):
+                 max_batch_tokens: int | None = MAX_BATCH_TOKENS, eos_ids: frozenset[int] | None = None):
         # the local runners, when in process (benchmarks read their models); None when remote
         self.target = target if isinstance(target, ModelRunner) else None
         self.draft = draft if isinstance(draft, ModelRunner) else None
@@ -109,9 +111,9 @@ class Engine:
         target = load(config.target, config.dtype)
         draft = load(config.draft, config.draft_dtype) if config.draft else None
         # both models share the device: the draft's budget is sized once the target's is taken
-        size_kv_budget(target, config.memory_utilization, config.max_cache_bytes, 2048)
+        size_kv_budget(target, config.memory_utilization, config.max_cache_bytes, MAX_BATCH_TOKENS)
         if draft is not None:
-            size_kv_budget(draft, config.memory_utilization, config.max_cache_bytes, 2048,
+            size_kv_budget(draft, config.memory_utilization, config.max_cache_bytes, MAX_BATCH_TOKENS,
                            reserved=target.cache.max_bytes)
         return cls(target, draft, k_max=config.k_max, draft_top_n=config.draft_top_n,
                    policy=DraftPolicy(ahead=config.draft_ahead))

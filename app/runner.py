@@ -5,12 +5,7 @@ import sys
 from dataclasses import dataclass
 
 import torch
-from transformers import (
-    AutoModelForCausalLM,
-    AutoTokenizer,
-    GenerationConfig,
-    PreTrainedModel,
-)
+from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig, PreTrainedModel
 from transformers.cache_utils import Cache, DynamicLayer
 
 from app.cpu_linear import pack_linears

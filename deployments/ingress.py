@@ -23,16 +23,8 @@ from transformers import AutoTokenizer
 
 from app import telemetry
 from app.errors import InvalidRequestError
-from app.openai_protocol import (
-    ChatCompletionRequest,
-    CompletionRequest,
-    chat_prompt_ids,
-    completion_body,
-    default_max_tokens,
-    error_body,
-    new_id,
-    sse_event,
-)
+from app.openai_protocol import (ChatCompletionRequest, CompletionRequest, chat_prompt_ids, completion_body,
+                                 default_max_tokens, error_body, new_id, sse_event)
 from app.params import SpeculationParams
 from deployments.config import AppConfig
 from deployments.router import Router
