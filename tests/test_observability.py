@@ -120,10 +120,13 @@ def test_counters_add_up_to_the_responses_speculation_stats(app):
     want = {name: sum(s[field] for s in specs) for name, field in COUNTED.items()}
     emitted = round(sum(s["mean_accepted_length"] * s["rounds"] for s in specs))
     deadline, got = time.monotonic() + 90, {}
-    while time.monotonic() < deadline:  # Ray's agents export every metrics_report_interval_ms
+    # Ray's agents export every metrics_report_interval_ms, each replica's process on its own clock:
+    # wait for the target's counters and for the draft replica's batches alike
+    while time.monotonic() < deadline:
         after = scrape()
         got = {name: total(after, name) - total(before, name) for name in COUNTED}
-        if got == want:
+        exported = {lab["deployment"] for lab, _ in after.get("ray_specserve_batch_size_count", [])}
+        if got == want and exported == {"DraftServer", "TargetServer"}:
             break
         time.sleep(1)
     assert got == want
