@@ -90,3 +90,8 @@ def test_prefill_bench_reports_both_modes(model_dirs, capsys):
     assert set(report) == {"whole", "chunks of 32"}
     for row in report.values():  # figures only: how they compare is the machine's business
         assert row["gap_max_ms"] >= row["gap_p50_ms"] > 0 and row["long_request_s"] > 0
+
+
+def test_draft_ahead_is_off_in_process_unless_asked(model_dirs, tmp_path):
+    assert bench._load(cli_args(model_dirs, tmp_path)).policy.ahead is False
+    assert bench._load(cli_args(model_dirs, tmp_path, "--draft-ahead")).policy.ahead is True
