@@ -46,8 +46,9 @@ class EngineConfig(BaseModel):
         0.9, gt=0, le=1, description="GPU: the share of the device's memory both models may use together.")
     trust_remote_code: bool = Field(False, description="Run model code shipped with the weights (off: safer).")
     # In one process the two models' forwards take turns at the GIL, so drafting ahead slows the verify
-    # it hides behind (2 CPU cores, demo pair, 16 code prompts, K = 4: 143-152 tokens/s with it, 169-173
-    # without; verify 14.6 against 11.2 ms). The served path, where the draft is another process, keeps it.
+    # it hides behind (2 CPU cores, demo pair, 16 code prompts, K = 4, `specserve bench` with and without
+    # --draft-ahead: 145-155 tokens/s with it, 170-177 without). The served path, where the draft is
+    # another process, keeps it.
     draft_ahead: bool = Field(False, description="Draft round n+1 while round n verifies (exact). Off in "
                               "process: both models share one interpreter's GIL (see above).")
 
