@@ -111,7 +111,8 @@ def test_heldout_prompts_are_unseen():
 
 
 def test_greedy_sequences_are_the_targets_greedy_text(quick_pair):
-    """Sequence-level distillation trains the draft on exactly what greedy decoding produces."""
+    """The draft learns on exactly what greedy decoding produces, against the target's distribution
+    at each position, recorded on the way."""
     from app.demo.measure import greedy_continuation
 
     target_dir, _, _ = quick_pair
@@ -120,10 +121,32 @@ def test_greedy_sequences_are_the_targets_greedy_text(quick_pair):
     plan = train.PLANS["quick"]
     stream = torch.randint(2, plan.vocab_size, (500,), generator=torch.Generator().manual_seed(1))
     ticks = []
-    seqs = train.greedy_sequences(target, stream, plan, torch.Generator().manual_seed(0),
-                                  lambda: ticks.append(1))
-    assert seqs.shape == (plan.kd_sequences, plan.kd_prompt_len + plan.kd_new_tokens)
+    text = train.greedy_sequences(target, stream, plan, torch.Generator().manual_seed(0), lambda: ticks.append(1))
+    length = plan.kd_prompt_len + plan.kd_new_tokens
+    assert text.tokens.shape == (plan.kd_sequences, length)
+    assert text.top_ids.shape == text.top_logp.shape == (plan.kd_sequences, length - 1, plan.teacher_top_k)
     assert len(ticks) == -(-plan.kd_sequences // train.GEN_BATCH)
-    prefix = seqs[:1, : plan.kd_prompt_len]
-    assert torch.equal(greedy_continuation(target, prefix, plan.kd_new_tokens),
-                       seqs[0, plan.kd_prompt_len :])
+    prefix = text.tokens[:1, : plan.kd_prompt_len]
+    assert torch.equal(greedy_continuation(target, prefix, plan.kd_new_tokens), text.tokens[0, plan.kd_prompt_len :])
+    # position j holds the target's distribution of token j + 1: its top-1 is the greedy token
+    cont = slice(plan.kd_prompt_len - 1, length - 1)
+    assert torch.equal(text.top_ids[:, cont, 0], text.tokens[:, plan.kd_prompt_len :])
+    with torch.no_grad():
+        full = torch.log_softmax(target(text.tokens[:2, :-1]).logits, dim=-1)  # [2, L - 1, V]
+    assert torch.allclose(full.gather(-1, text.top_ids[:2]), text.top_logp[:2], atol=1e-4)
+    kth = full.topk(plan.teacher_top_k, dim=-1).values[..., -1:]  # they are the k most likely
+    assert (text.top_logp[:2] >= kth - 1e-4).all()
+
+
+def test_the_drafts_muon_takes_the_hidden_matrices_adamw_the_rest():
+    plan = train.PLANS["quick"]
+    torch.manual_seed(0)
+    model = train.new_model(plan.draft, plan)
+    opt = train._Optimizer(model, plan.draft_lr, plan.draft_steps, muon=True)
+    adamw, muon = ({id(p) for g in o.param_groups for p in g["params"]} for o in opt.opts)
+    named = dict(model.named_parameters())
+    assert muon.isdisjoint(adamw) and muon | adamw == {id(p) for p in named.values()}
+    for name, p in named.items():
+        hidden = p.ndim == 2 and "embed" not in name and "lm_head" not in name
+        assert (id(p) in muon) == hidden, name
+    assert any("mlp" in n for n, p in named.items() if id(p) in muon)

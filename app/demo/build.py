@@ -17,11 +17,12 @@ from tqdm.auto import tqdm
 
 from app.demo import corpus, train
 
-BUILD_FORMAT = 2  # bump when a change to the build makes old cached pairs wrong
+BUILD_FORMAT = 3  # bump when a change to the build makes old cached pairs wrong
 MARKER = "build.json"  # written last: its presence means the pair is complete
 
 
 GEN_UNIT_TOKENS = 8  # greedy tokens (for a batch of train.GEN_BATCH) per progress unit
+TARGET_STEP_UNITS = 6  # progress units of one target training step
 
 
 def cache_root(cache_dir: str | None = None) -> Path:
@@ -81,11 +82,11 @@ def _torch_threads(n: int):
 def build_pair(out: Path, quick: bool = False, seed: int = 0, progress: bool = True) -> None:
     """Build tokenizer, target and draft into out/target and out/draft (deterministic in seed)."""
     plan = train.PLANS["quick" if quick else "full"]
-    # Progress in units of ~one draft step; a target training step costs about three, a batch
+    # Progress in units of ~one draft step; a target training step costs about six, a batch
     # of greedy sequences about one per GEN_UNIT_TOKENS generated tokens.
     gen_batches = -(-plan.kd_sequences // train.GEN_BATCH)
     gen_weight = max(1, plan.kd_new_tokens // GEN_UNIT_TOKENS)
-    total = 1 + 3 * plan.target_steps + gen_weight * gen_batches + plan.draft_steps + 1
+    total = 1 + TARGET_STEP_UNITS * plan.target_steps + gen_weight * gen_batches + plan.draft_steps + 1
     t0 = time.time()
     with _torch_threads(2), tqdm(total=total, desc="demo pair: tokenizer", disable=not progress,
                                  unit="u", dynamic_ncols=True) as bar:
@@ -101,15 +102,13 @@ def build_pair(out: Path, quick: bool = False, seed: int = 0, progress: bool = T
         gen = torch.Generator().manual_seed(seed)
         target = train.new_model(plan.target, plan)
         bar.set_description("demo pair: target")
-        train.train_target(target, stream, plan, gen, tick(3))
+        train.train_target(target, stream, plan, gen, tick(TARGET_STEP_UNITS))
         target.to(torch.bfloat16)  # from here on the teacher is exactly the served target
-        sequences = None
-        if plan.kd_sequences:
-            bar.set_description("demo pair: target greedy text")
-            sequences = train.greedy_sequences(target, stream, plan, gen, lambda: bar.update(gen_weight))
+        bar.set_description("demo pair: target greedy text")
+        text = train.greedy_sequences(target, stream, plan, gen, lambda: bar.update(gen_weight))
         draft = train.new_model(plan.draft, plan)
         bar.set_description("demo pair: draft")
-        train.distill_draft(draft, target, stream, plan, gen, tick(1), sequences)
+        train.distill_draft(draft, text, plan, gen, tick(1))
 
         bar.set_description("demo pair: saving")
         for name, model, dtype in (("target", target, torch.bfloat16), ("draft", draft, torch.float32)):

@@ -3,6 +3,12 @@ distilled from the target's logits so that their greedy choices agree as often a
 
 Both models are plain `LlamaForCausalLM`s. Training runs in bfloat16 autocast (CPUs with
 AVX512-BF16/AMX do bf16 matmuls several times faster than fp32) with fp32 master weights.
+The target learns with AdamW. The draft's hidden weight matrices learn with torch's Muon
+(orthogonalised momentum), its embeddings and norms with AdamW: 250 such steps on the target's
+greedy text gave held-out τ 3.58 at K = 4, AdamW alone 3.36. (Muon also took the target to a
+lower held-out loss in a third of the steps, 5.57 against 5.70, but that target's greedy text
+fell into loops, 10 % distinct 4-grams against 29 %: a pair that speculates on loops is a weaker
+pair, whatever its τ.)
 """
 
 from __future__ import annotations
@@ -49,37 +55,40 @@ class BuildPlan:
     draft: ModelShape     # one layer: its step is mostly fixed per-forward overhead
     target_steps: int
     draft_steps: int
-    batch: int
+    batch: int          # target training sequences per step
+    draft_batch: int    # draft distillation sequences per step
     target_lr: float
-    draft_lr: float
-    # Sequence-level distillation: the draft also learns on the target's own greedy
-    # continuations of corpus prefixes, which is exactly the text greedy speculation verifies.
-    kd_sequences: int = 0   # how many greedy sequences to generate (0: corpus windows only)
+    draft_lr: float     # AdamW's (embeddings, norms); the draft's hidden matrices take MUON_LR
+    # The draft learns on the target's own greedy continuations of corpus prefixes, which is
+    # exactly the text greedy speculation verifies, against the target's top-k distribution at
+    # every position, recorded while that text was generated (no teacher forward per step).
+    kd_sequences: int = 64   # how many greedy sequences to generate
     kd_prompt_len: int = 64  # corpus prefix length of each sequence
     kd_new_tokens: int = 64  # greedy tokens generated after it
-    kd_share: float = 0.5   # fraction of each distillation batch taken from those sequences
+    teacher_top_k: int = 32  # the target's most likely tokens kept per position
 
 
 PLANS = {
     # Many small updates beat few large ones at this compute: 300 steps of 8 x 256 tokens.
-    # The draft then spends half of each batch on the target's own greedy text (512 corpus
-    # prefixes of 128 tokens, 96 greedy tokens each: held-out prompts are about that long).
+    # The draft then learns from the target's greedy text: 384 corpus prefixes of 128 tokens,
+    # 96 greedy tokens each (held-out prompts are about that long).
     "full": BuildPlan(
         vocab_size=4096, seq_len=256, tokenizer_chars=3_000_000,
         target=ModelShape(layers=8, hidden=512, intermediate=1536, heads=8),
         draft=ModelShape(layers=1, hidden=256, intermediate=768, heads=4, tied=True),
-        target_steps=300, draft_steps=500, batch=8, target_lr=3e-3, draft_lr=3e-3,
-        kd_sequences=512, kd_prompt_len=128, kd_new_tokens=96, kd_share=0.5,
+        target_steps=300, draft_steps=250, batch=8, draft_batch=16, target_lr=3e-3, draft_lr=3e-3,
+        kd_sequences=384, kd_prompt_len=128, kd_new_tokens=96,
     ),
     # Seconds to build; for tests of the build and load path, not for measuring speculation.
     "quick": BuildPlan(
         vocab_size=1024, seq_len=128, tokenizer_chars=400_000,
         target=ModelShape(layers=2, hidden=256, intermediate=512, heads=4),
         draft=ModelShape(layers=1, hidden=64, intermediate=128, heads=2, tied=True),
-        target_steps=30, draft_steps=30, batch=8, target_lr=3e-3, draft_lr=3e-3,
-        kd_sequences=8, kd_prompt_len=32, kd_new_tokens=16, kd_share=0.5,
+        target_steps=30, draft_steps=30, batch=8, draft_batch=8, target_lr=3e-3, draft_lr=3e-3,
+        kd_sequences=8, kd_prompt_len=32, kd_new_tokens=16, teacher_top_k=8,
     ),
 }
+MUON_LR = 0.04  # Muon's step for the draft's hidden matrices ("original" scaling)
 
 
 def train_tokenizer(texts: list[str], plan: BuildPlan) -> PreTrainedTokenizerFast:
@@ -124,22 +133,32 @@ def sample_batch(stream: torch.Tensor, batch: int, seq_len: int, gen: torch.Gene
     return torch.stack([stream[s : s + seq_len + 1] for s in starts.tolist()])
 
 
-def _optimizer(model: torch.nn.Module, lr: float, steps: int):
-    opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.05)
-    warmup = max(1, steps // 20)
-    # Linear warm-up, then cosine decay to 10% of lr.
-    sched = torch.optim.lr_scheduler.LambdaLR(
-        opt, lambda s: min(1.0, (s + 1) / warmup) * (0.1 + 0.45 * (1 + math.cos(math.pi * s / steps)))
-    )
-    return opt, sched
+class _Optimizer:
+    """AdamW, or (muon=True) Muon for the decoder's weight matrices and AdamW for the rest; one
+    schedule: linear warm-up, then cosine decay to 10 %."""
 
+    def __init__(self, model: torch.nn.Module, lr: float, steps: int, muon: bool = False):
+        def hidden(name: str, p: torch.Tensor) -> bool:  # Muon is for hidden matrices only
+            return muon and p.ndim == 2 and "embed" not in name and "lm_head" not in name
+        named = list(model.named_parameters())
+        self.opts = [torch.optim.AdamW([p for n, p in named if not hidden(n, p)], lr=lr, betas=(0.9, 0.95),
+                                       weight_decay=0.05)]
+        if muon:
+            self.opts.append(torch.optim.Muon([p for n, p in named if hidden(n, p)], lr=MUON_LR,
+                                              weight_decay=0.0, adjust_lr_fn="original"))
+        warmup = max(1, steps // 20)
+        self.scheds = [torch.optim.lr_scheduler.LambdaLR(
+            o, lambda s: min(1.0, (s + 1) / warmup) * (0.1 + 0.45 * (1 + math.cos(math.pi * s / steps))))
+            for o in self.opts]
+        self.model = model
 
-def _step(model: torch.nn.Module, loss: torch.Tensor, opt, sched) -> None:
-    loss.backward()
-    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-    opt.step()
-    sched.step()
-    opt.zero_grad(set_to_none=True)
+    def step(self, loss: torch.Tensor) -> None:
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0)
+        for o, s in zip(self.opts, self.scheds):
+            o.step()
+            s.step()
+            o.zero_grad(set_to_none=True)
 
 
 Tick = Callable[[float], None]  # called after each step with its loss
@@ -148,65 +167,73 @@ Tick = Callable[[float], None]  # called after each step with its loss
 def train_target(model: LlamaForCausalLM, stream: torch.Tensor, plan: BuildPlan,
                  gen: torch.Generator, tick: Tick) -> None:
     """Next-token cross-entropy on random windows of the corpus."""
-    opt, sched = _optimizer(model, plan.target_lr, plan.target_steps)
+    opt = _Optimizer(model, plan.target_lr, plan.target_steps)
     model.train()
     for _ in range(plan.target_steps):
         x = sample_batch(stream, plan.batch, plan.seq_len, gen)  # [B, T+1]
         with torch.autocast("cpu", dtype=torch.bfloat16):
             logits = model(x[:, :-1]).logits  # [B, T, V]
         loss = F.cross_entropy(logits.float().flatten(0, 1), x[:, 1:].flatten())
-        _step(model, loss, opt, sched)
+        opt.step(loss)
         tick(loss.item())
     model.eval()
 
 
-GEN_BATCH = 32  # greedy sequences generated together
+GEN_BATCH = 128  # greedy sequences generated together: a decode step's cost grows far slower than its batch
+
+
+@dataclass
+class GreedyText:
+    """The target's greedy continuations of corpus prefixes and, at every position but the last,
+    the target's top-k next-token distribution there (what the draft learns to match)."""
+
+    tokens: torch.Tensor     # [N, L] int64: prefix then continuation
+    top_ids: torch.Tensor    # [N, L - 1, k] int64
+    top_logp: torch.Tensor   # [N, L - 1, k] float32, the target's log-probabilities of top_ids
+
+
+def _top(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    logp, ids = F.log_softmax(logits.float(), dim=-1).topk(k, dim=-1)
+    return ids, logp
 
 
 @torch.no_grad()
 def greedy_sequences(target: LlamaForCausalLM, stream: torch.Tensor, plan: BuildPlan,
-                     gen: torch.Generator, tick: Callable[[], None]) -> torch.Tensor:
-    """The target's greedy continuations of random corpus prefixes, batched with a KV cache.
-    Returns [kd_sequences, kd_prompt_len + kd_new_tokens] (prefix then continuation)."""
-    out_seqs = []
+                     gen: torch.Generator, tick: Callable[[], None]) -> GreedyText:
+    """The target's greedy continuations of random corpus prefixes, batched with a KV cache:
+    kd_sequences of kd_prompt_len + kd_new_tokens tokens, with the target's top-k at each position."""
+    tokens, top_ids, top_logp = [], [], []
     for start in range(0, plan.kd_sequences, GEN_BATCH):
         n = min(GEN_BATCH, plan.kd_sequences - start)
         x = sample_batch(stream, n, plan.kd_prompt_len - 1, gen)  # [n, P]
         out = target(x, use_cache=True)
+        tops = [_top(out.logits, plan.teacher_top_k)]
         toks = [out.logits[:, -1].argmax(-1, keepdim=True)]  # [n, 1] each
         for _ in range(plan.kd_new_tokens - 1):
             out = target(toks[-1], past_key_values=out.past_key_values, use_cache=True)
+            tops.append(_top(out.logits, plan.teacher_top_k))
             toks.append(out.logits[:, -1].argmax(-1, keepdim=True))
-        out_seqs.append(torch.cat([x, *toks], dim=1))
+        tokens.append(torch.cat([x, *toks], dim=1))
+        top_ids.append(torch.cat([i for i, _ in tops], dim=1))
+        top_logp.append(torch.cat([lp for _, lp in tops], dim=1))
         tick()
-    return torch.cat(out_seqs)
+    return GreedyText(torch.cat(tokens), torch.cat(top_ids), torch.cat(top_logp))
 
 
-def distill_draft(draft: LlamaForCausalLM, target: LlamaForCausalLM, stream: torch.Tensor,
-                  plan: BuildPlan, gen: torch.Generator, tick: Tick,
-                  sequences: torch.Tensor | None = None) -> None:
-    """KL(target || draft) on every position: the draft learns the target's whole distribution,
-    so its argmax follows the target's, which is what greedy acceptance rewards. Part of each
-    batch (plan.kd_share) comes from `sequences`, the target's own greedy text, so the draft
-    learns most where speculation is verified; the rest from corpus windows of the same length."""
-    opt, sched = _optimizer(draft, plan.draft_lr, plan.draft_steps)
+def distill_draft(draft: LlamaForCausalLM, text: GreedyText, plan: BuildPlan, gen: torch.Generator,
+                  tick: Tick) -> None:
+    """Cross-entropy of the draft against the target's top-k distribution (renormalised) at every
+    position of the target's greedy text: the draft learns the target's distribution where
+    speculation is verified, so its argmax follows the target's, which is what acceptance rewards."""
+    opt = _Optimizer(draft, plan.draft_lr, plan.draft_steps, muon=True)
     draft.train()
-    n_seq = 0 if sequences is None else round(plan.batch * plan.kd_share)
-    length = plan.seq_len if sequences is None else sequences.shape[1]
     for _ in range(plan.draft_steps):
-        parts = []
-        if n_seq:
-            parts.append(sequences[torch.randint(0, sequences.shape[0], (n_seq,), generator=gen)])
-        if plan.batch > n_seq:
-            parts.append(sample_batch(stream, plan.batch - n_seq, length, gen)[:, :-1])
-        x = torch.cat(parts)  # [B, T]
-        with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
-            p_log = F.log_softmax(target(x).logits.float(), dim=-1)  # [B, T, V]
+        rows = torch.randint(0, text.tokens.shape[0], (plan.draft_batch,), generator=gen)
         with torch.autocast("cpu", dtype=torch.bfloat16):
-            q_logits = draft(x).logits
-        q_log = F.log_softmax(q_logits.float(), dim=-1)
-        loss = F.kl_div(q_log.flatten(0, 1), p_log.flatten(0, 1), log_target=True, reduction="batchmean")
-        _step(draft, loss, opt, sched)
+            q_logits = draft(text.tokens[rows, :-1]).logits  # [B, L - 1, V]
+        q_logp = F.log_softmax(q_logits.float(), dim=-1).gather(-1, text.top_ids[rows])
+        loss = -(torch.softmax(text.top_logp[rows], dim=-1) * q_logp).sum(-1).mean()
+        opt.step(loss)
         tick(loss.item())
     draft.eval()
 
