@@ -9,19 +9,54 @@ import jinja2
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from app.errors import InvalidRequestError
-from app.params import SamplingParams, SpeculationParams
+from app.params import MAX_SEED, MIN_SEED, SamplingParams, SpeculationParams
+
+# Fields that change nothing a client gets back: accepted and dropped.
+HARMLESS_FIELDS = frozenset({"user", "metadata", "store", "service_tier", "safety_identifier"})
+# Fields of OpenAI's API, and vLLM's extensions, that this server does not honour yet: accepted only
+# at a value that changes nothing, refused otherwise with a 400 naming them; never silently ignored.
+NO_OP_VALUES: dict[str, tuple] = {
+    "n": (1,), "best_of": (1,), "echo": (False,), "logprobs": (False,), "top_logprobs": (0,),
+    "presence_penalty": (0, 0.0), "frequency_penalty": (0, 0.0), "repetition_penalty": (1, 1.0),
+    "min_p": (0, 0.0), "logit_bias": ({},), "min_tokens": (0,), "stop_token_ids": ([],),
+    "response_format": ({"type": "text"},), "tools": ([],), "tool_choice": ("none", "auto"),
+    "parallel_tool_calls": (True, False), "skip_special_tokens": (True,), "include_stop_str_in_output": (False,),
+    "suffix": ("",),
+}
+WHY_NOT = {"tools": "this server does not parse tool calls yet", "tool_choice": "this server does not parse tool calls yet"}
+
+
+def normalise_body(data: dict, model_cls: type[BaseModel]) -> dict:
+    """A request body as `model_cls` validates it: an explicit null means the field's default (at
+    the top level and inside an object field), harmless fields are dropped, and any other field the
+    model does not define is refused with an error naming it, unless it carries its no-op value."""
+    out = {}
+    for key, value in data.items():
+        if value is None or key in HARMLESS_FIELDS:
+            continue
+        if key in model_cls.model_fields:
+            out[key] = {k: v for k, v in value.items() if v is not None} if isinstance(value, dict) else value
+        elif key in NO_OP_VALUES:
+            if not any(type(value) is type(ok) and value == ok for ok in NO_OP_VALUES[key]):
+                allowed = " or ".join(json.dumps(ok) for ok in NO_OP_VALUES[key])
+                why = WHY_NOT.get(key, "not supported by this server yet")
+                raise InvalidRequestError(f"{key} is {why}: only {allowed} is accepted", param=key)
+        else:
+            raise InvalidRequestError(f"unknown field {key!r}: this server does not honour it", param=key)
+    return out
 
 
 class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     include_usage: bool = Field(False, description="Send a last chunk with usage (and speculation stats).")
+    continuous_usage_stats: bool = Field(False, description="With include_usage: usage so far on every chunk.")
 
 
 class _Common(BaseModel):
-    """Fields shared by completions and chat completions."""
+    """Fields shared by completions and chat completions (bodies pass through normalise_body first)."""
 
-    model_config = ConfigDict(extra="ignore")  # OpenAI clients send fields we do not use (user, ...)
+    model_config = ConfigDict(extra="forbid")
 
     model: str = Field(description="Served model name, as listed by /v1/models.")
     max_tokens: int | None = Field(None, ge=1, description="Most tokens to generate.")
@@ -29,12 +64,10 @@ class _Common(BaseModel):
     top_p: float = Field(1.0, gt=0.0, le=1.0, description="Nucleus sampling mass.")
     top_k: int = Field(0, ge=-1, description="Extension: keep the k most likely tokens; 0 or -1 = all.")
     stop: str | list[str] | None = Field(None, description="Up to 4 stop strings.")
-    seed: int | None = Field(None, ge=0, le=2**62, description="Reproducible sampling.")
-    n: int = Field(1, ge=1, le=1, description="Choices per request; only 1 is supported.")
+    seed: int | None = Field(None, ge=MIN_SEED, le=MAX_SEED, description="Reproducible sampling (any int64).")
     stream: bool = Field(False, description="Server-sent events, ending with data: [DONE].")
     stream_options: StreamOptions | None = Field(None, description="Streaming options.")
     ignore_eos: bool = Field(False, description="Extension: keep generating past end-of-sequence.")
-    logprobs: None = Field(None, description="Not supported: must be absent or null.")
     speculation: SpeculationParams | None = Field(None, description="Extension: K or speculation off.")
 
     @field_validator("stop")
@@ -55,7 +88,6 @@ class CompletionRequest(_Common):
     """POST /v1/completions."""
 
     prompt: str | list[int] = Field(description="Text, or token ids.")
-    echo: Literal[False] = Field(False, description="Not supported.")
 
     @field_validator("prompt")
     @classmethod
@@ -122,6 +154,11 @@ def error_body(message: str, type_: str, param: str | None = None, code: str | i
 
 def new_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def usage_body(prompt_tokens: int, completion_tokens: int) -> dict:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
 
 
 def completion_body(rid: str, model: str, text: str, finish: str | None, usage: dict | None,

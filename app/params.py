@@ -6,7 +6,9 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from app.errors import InvalidRequestError
 
-MAX_SEED = 2**63 - 1  # seeds ride in int64 tensors beside other requests' (a larger one would fail the batch)
+# seeds ride in int64 tensors beside other requests' (one outside int64 would fail the batch); the
+# draws hash a seed's 64 bits, so a negative seed is as good as any
+MIN_SEED, MAX_SEED = -(2**63), 2**63 - 1
 
 
 class SpeculationParams(BaseModel):
@@ -43,7 +45,7 @@ class SamplingParams(BaseModel):
     top_p: float = Field(1.0, gt=0.0, le=1.0, description="Nucleus sampling: keep the smallest set with mass >= top_p.")
     top_k: int = Field(0, ge=-1, description="Keep the k most likely tokens; 0 or -1 keeps all.")
     stop: list[str] = Field(default_factory=list, description="Strings that end generation; excluded from the text.")
-    seed: int | None = Field(None, ge=0, le=MAX_SEED,
+    seed: int | None = Field(None, ge=MIN_SEED, le=MAX_SEED,
                              description="Makes sampling reproducible, whatever else is in the batch.")
     ignore_eos: bool = Field(False, description="Keep generating past the end-of-sequence token.")
     speculation: SpeculationParams = Field(default_factory=SpeculationParams, description="Speculation control.")

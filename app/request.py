@@ -4,7 +4,7 @@ import secrets
 from dataclasses import dataclass, field
 
 from app.errors import ContextLengthError, InvalidRequestError
-from app.params import MAX_SEED, SamplingParams, parse_sampling
+from app.params import MAX_SEED, MIN_SEED, SamplingParams, parse_sampling
 
 REPLACEMENT = "\ufffd"  # what a decoder shows for a UTF-8 sequence cut mid-way
 DETOKENIZE_CONTEXT = 5  # tokens decoded again before new ones: how a piece reads can depend on those before it
@@ -237,8 +237,8 @@ class GenerationJob:
         for name, ids in (("prompt_ids", self.prompt_ids), ("output_ids", self.output_ids)):
             if not isinstance(ids, list) or any(type(t) is not int or not 0 <= t < vocab_size for t in ids):
                 raise InvalidRequestError(f"{name} must be a list of token ids in [0, {vocab_size})", param=name)
-        if type(self.seed) is not int or not 0 <= self.seed <= MAX_SEED:
-            raise InvalidRequestError(f"seed must be an integer in [0, {MAX_SEED}]", param="seed")
+        if type(self.seed) is not int or not MIN_SEED <= self.seed <= MAX_SEED:
+            raise InvalidRequestError(f"seed must be an integer in [{MIN_SEED}, {MAX_SEED}]", param="seed")
         parse_sampling(self.params)
 
     def state(self, tokenizer, max_context: int, eos_ids: frozenset[int] | None = None) -> RequestState:

@@ -24,7 +24,7 @@ from transformers import AutoTokenizer
 from app import telemetry
 from app.errors import InvalidRequestError
 from app.openai_protocol import (ChatCompletionRequest, CompletionRequest, chat_prompt_ids, completion_body,
-                                 default_max_tokens, error_body, new_id, sse_event)
+                                 default_max_tokens, error_body, new_id, normalise_body, sse_event, usage_body)
 from app.params import SpeculationParams
 from deployments.config import AppConfig
 from deployments.router import Router
@@ -150,7 +150,9 @@ class Ingress:
         if not isinstance(data, dict):
             raise APIError(400, "body must be a JSON object", "invalid_request_error")
         try:
-            return model_cls.model_validate(data)
+            return model_cls.model_validate(normalise_body(data, model_cls))
+        except InvalidRequestError as e:
+            raise APIError(400, str(e), "invalid_request_error", e.param) from None
         except ValidationError as e:
             raise invalid(e.errors()) from None
 
@@ -221,8 +223,11 @@ class Ingress:
         if first.get("error"):
             raise APIError.from_router(first["error"])
         if body.stream:
-            include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            return StreamingResponse(self._sse(rid, first, stream, deadline, chat, include_usage, span),
+            options = body.stream_options
+            include_usage = bool(options and options.include_usage)
+            # as vLLM: usage on every chunk when both are asked for
+            continuous = len(prompt_ids) if include_usage and options.continuous_usage_stats else None
+            return StreamingResponse(self._sse(rid, first, stream, deadline, chat, include_usage, span, continuous),
                                      media_type="text/event-stream")
         text, last = first.get("text", ""), first
         try:
@@ -251,17 +256,24 @@ class Ingress:
         except StopAsyncIteration:
             raise APIError(503, "generation ended without a result", "service_unavailable") from None
 
-    async def _sse(self, rid: str, first: dict, stream, deadline: float, chat: bool, include_usage: bool, span=None):
-        chunk = first
+    async def _sse(self, rid: str, first: dict, stream, deadline: float, chat: bool, include_usage: bool, span=None,
+                   continuous_prompt_tokens: int | None = None):
+        """The stream as server-sent events; with continuous_prompt_tokens (the prompt's length),
+        every chunk carries the usage so far."""
+        chunk, completion = first, 0
         try:
             while True:
                 if chunk.get("error"):
                     yield sse_event({"error": chunk["error"]})
                     break
                 finish = chunk.get("finish_reason")
+                completion += len(chunk.get("token_ids", ()))
                 if chunk.get("text") or finish:
                     spec = chunk.get("speculation") if finish and not include_usage else None
-                    yield sse_event(completion_body(rid, self.model_name, chunk.get("text", ""), finish, None, spec,
+                    usage = None
+                    if continuous_prompt_tokens is not None:
+                        usage = chunk["usage"] if finish else usage_body(continuous_prompt_tokens, completion)
+                    yield sse_event(completion_body(rid, self.model_name, chunk.get("text", ""), finish, usage, spec,
                                                  chat, delta=True))
                 if finish:
                     if include_usage:

@@ -148,7 +148,7 @@ def test_a_mismatched_draft_is_refused_before_the_app_starts(model_dirs, target_
 
 @pytest.mark.parametrize("change, param", [
     ({"seed": 2**64}, "seed"),
-    ({"seed": -1}, "seed"),
+    ({"seed": -(2**63) - 1}, "seed"),  # below int64
     ({"prompt_ids": [3, 98]}, "prompt_ids"),  # the vocabulary is 98 tokens
     ({"prompt_ids": [3, -1]}, "prompt_ids"),
     ({"output_ids": [5000]}, "output_ids"),

@@ -79,6 +79,27 @@ def test_chat_completion_streamed_and_not(client):
     assert full == streamed and len(full) > 0
 
 
+def test_a_guidellm_style_stream_gets_usage_on_every_chunk(client):
+    """What benchmark clients send: content parts, explicit nulls, harmless extras, continuous usage."""
+    chunks = list(client.chat.completions.create(
+        model="target", messages=[{"role": "user", "content": [{"type": "text", "text": "write a function"}]}],
+        max_completion_tokens=12, temperature=0, stream=True, user="bench-1", top_p=None, seed=None,
+        stream_options={"include_usage": True, "continuous_usage_stats": True}, extra_body=EXTRA))
+    counts = [c.usage.completion_tokens for c in chunks]
+    assert all(c.usage is not None and c.usage.prompt_tokens > 0 for c in chunks)
+    assert counts == sorted(counts) and counts[-1] == 12 and len(set(counts)) > 1
+    assert chunks[-1].choices == [] and chunks[-2].choices[0].finish_reason == "length"
+
+
+def test_fields_we_do_not_honour_get_a_400_naming_them(app):
+    for field, value in (("presence_penalty", 0.5), ("logprobs", 2), ("frobnicate", 1)):
+        r = httpx.post(f"{app}/v1/completions", json={"model": "target", "prompt": "x", field: value}, timeout=30)
+        assert r.status_code == 400 and r.json()["error"]["param"] == field, r.text
+    r = httpx.post(f"{app}/v1/completions", timeout=30, json={"model": "target", "prompt": "x", "max_tokens": 2,
+                                                              "presence_penalty": 0, "logprobs": None, "seed": -5})
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2
+
+
 def test_pinned_k_and_speculation_off(client, reference):
     for spec in ({"num_tokens": 3}, {"enabled": False}):
         r = client.completions.create(model="target", prompt=PROMPTS[2], max_tokens=N, temperature=0,

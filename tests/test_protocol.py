@@ -1,0 +1,80 @@
+"""Request bodies as OpenAI clients send them: explicit nulls, harmless extras, fields we do not
+honour (refused by name unless they change nothing), unknown fields, any int64 seed."""
+
+import pytest
+
+from app.engine import Engine
+from app.errors import InvalidRequestError
+from app.openai_protocol import ChatCompletionRequest, CompletionRequest, normalise_body
+from app.runner import ModelRunner
+from tests.conftest import blend
+
+
+def completion(**body) -> CompletionRequest:
+    return CompletionRequest.model_validate(normalise_body({"model": "target", "prompt": "x", **body}, CompletionRequest))
+
+
+def refused(model_cls=CompletionRequest, **body) -> InvalidRequestError:
+    first = {"prompt": "x"} if model_cls is CompletionRequest else {"messages": [{"role": "user", "content": "hi"}]}
+    with pytest.raises(InvalidRequestError) as e:
+        normalise_body({"model": "target", **first, **body}, model_cls)
+    return e.value
+
+
+def test_explicit_null_means_the_default():
+    nulls = dict.fromkeys(["temperature", "top_p", "top_k", "seed", "stop", "max_tokens", "stream", "ignore_eos",
+                           "speculation", "stream_options", "logprobs", "n", "user"])
+    assert completion(**nulls) == completion()
+    options = completion(stream_options={"include_usage": None, "continuous_usage_stats": True}).stream_options
+    assert options.include_usage is False and options.continuous_usage_stats is True
+
+
+def test_harmless_fields_are_accepted_and_no_op_values_too():
+    body = completion(user="u-1", metadata={"team": "x"}, store=False, n=1, best_of=1, echo=False, logprobs=False,
+                      presence_penalty=0, frequency_penalty=0.0, repetition_penalty=1.0, min_p=0, logit_bias={},
+                      min_tokens=0, stop_token_ids=[], response_format={"type": "text"}, tools=[], tool_choice="none")
+    assert body.temperature == 1.0 and not body.model_extra
+
+
+@pytest.mark.parametrize("field, value", [
+    ("n", 2), ("best_of", 3), ("echo", True), ("logprobs", True), ("logprobs", 1), ("logprobs", 0),
+    ("top_logprobs", 5), ("presence_penalty", 0.5), ("frequency_penalty", -1), ("repetition_penalty", 1.2),
+    ("min_p", 0.1), ("logit_bias", {"5": 10}), ("min_tokens", 4), ("stop_token_ids", [7]),
+    ("response_format", {"type": "json_object"}), ("suffix", "tail"),
+])
+def test_fields_we_do_not_honour_are_refused_by_name(field, value):
+    err = refused(**{field: value})
+    assert err.param == field and field in str(err)
+
+
+def test_tools_are_refused_with_the_reason():
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {}}}]
+    err = refused(ChatCompletionRequest, tools=tools)
+    assert err.param == "tools" and "tool calls" in str(err)
+    assert refused(ChatCompletionRequest, tool_choice="required").param == "tool_choice"
+
+
+def test_unknown_fields_are_refused_by_name():
+    err = refused(frobnicate=1)
+    assert err.param == "frobnicate" and "unknown field" in str(err)
+    # a typo of a real field is not silently ignored either
+    assert refused(temprature=0).param == "temprature"
+
+
+def test_a_guidellm_style_chat_body_is_accepted():
+    body = {"model": "target", "stream": True, "max_completion_tokens": 8, "temperature": None,
+            "messages": [{"role": "user", "content": [{"type": "text", "text": "hello"}]}],
+            "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
+    chat = ChatCompletionRequest.model_validate(normalise_body(body, ChatCompletionRequest))
+    assert chat.stream_options.continuous_usage_stats and chat.messages[0].for_template()["content"] == "hello"
+
+
+def test_any_int64_seed_is_accepted_and_reproducible(target_model, tokenizer):
+    assert completion(seed=-(2**63)).seed == -(2**63)
+    for bad in (-(2**63) - 1, 2**63):
+        with pytest.raises(ValueError):
+            completion(seed=bad)
+    engine = Engine(ModelRunner(target_model, tokenizer), ModelRunner(blend(target_model, 7, 0.85), tokenizer))
+    params = {"max_tokens": 12, "temperature": 1.0, "seed": -12345, "ignore_eos": True}
+    first, again = (engine.generate("def f(x):", params)[0].token_ids for _ in range(2))
+    assert first == again and len(first) == 12
