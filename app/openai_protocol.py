@@ -11,12 +11,14 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 from app.errors import InvalidRequestError
 from app.params import MAX_SEED, MIN_SEED, SamplingParams, SpeculationParams
 
+MAX_CHOICES = 64  # generations one request may ask for: prompts x n
+
 # Fields that change nothing a client gets back: accepted and dropped.
 HARMLESS_FIELDS = frozenset({"user", "metadata", "store", "service_tier", "safety_identifier"})
 # Fields of OpenAI's API, and vLLM's extensions, that this server does not honour yet: accepted only
 # at a value that changes nothing, refused otherwise with a 400 naming them; never silently ignored.
 NO_OP_VALUES: dict[str, tuple] = {
-    "n": (1,), "best_of": (1,), "echo": (False,), "logprobs": (False,), "top_logprobs": (0,),
+    "best_of": (1,), "echo": (False,), "logprobs": (False,), "top_logprobs": (0,),
     "presence_penalty": (0, 0.0), "frequency_penalty": (0, 0.0), "repetition_penalty": (1, 1.0),
     "min_p": (0, 0.0), "logit_bias": ({},), "min_tokens": (0,), "stop_token_ids": ([],),
     "response_format": ({"type": "text"},), "tools": ([],), "tool_choice": ("none", "auto"),
@@ -65,6 +67,7 @@ class _Common(BaseModel):
     top_k: int = Field(0, ge=-1, description="Extension: keep the k most likely tokens; 0 or -1 = all.")
     stop: str | list[str] | None = Field(None, description="Up to 4 stop strings.")
     seed: int | None = Field(None, ge=MIN_SEED, le=MAX_SEED, description="Reproducible sampling (any int64).")
+    n: int = Field(1, ge=1, le=MAX_CHOICES, description="Choices per prompt, each sampled with its own seed.")
     stream: bool = Field(False, description="Server-sent events, ending with data: [DONE].")
     stream_options: StreamOptions | None = Field(None, description="Streaming options.")
     ignore_eos: bool = Field(False, description="Extension: keep generating past end-of-sequence.")
@@ -87,14 +90,20 @@ class _Common(BaseModel):
 class CompletionRequest(_Common):
     """POST /v1/completions."""
 
-    prompt: str | list[int] = Field(description="Text, or token ids.")
+    prompt: str | list[int] | list[str] | list[list[int]] = Field(
+        description="Text or token ids; or a list of either (a batch: n choices per prompt, in order).")
 
     @field_validator("prompt")
     @classmethod
     def _non_empty(cls, v):
-        if len(v) == 0:
+        if len(v) == 0 or (isinstance(v, list) and any(not isinstance(p, int) and len(p) == 0 for p in v)):
             raise ValueError("prompt must not be empty")
         return v
+
+    def prompts(self) -> list[str | list[int]]:
+        """The batch: each prompt as text or token ids."""
+        p = self.prompt
+        return [p] if isinstance(p, str) or isinstance(p[0], int) else list(p)
 
 
 class TextPart(BaseModel):
@@ -156,22 +165,60 @@ def new_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
 
 
+def choice_seed(seed: int, j: int) -> int:
+    """The seed of a request's j-th choice (of n): the request's own seed for the first, and for the
+    others splitmix64 of (seed, j) as an int64, so every choice is reproducible and draws its own
+    numbers. Each prompt of a batch uses the same seeds, as if it had been sent alone."""
+    if j == 0:
+        return seed
+    mask = (1 << 64) - 1
+    x = (seed + j * 0x9E3779B97F4A7C15) & mask
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & mask
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & mask
+    x ^= x >> 31
+    return x - (1 << 64) if x >= 1 << 63 else x
+
+
+def combined_speculation(stats: list[dict]) -> dict:
+    """One `speculation` object for several choices: counts summed, rates and per-round figures
+    weighted by each choice's rounds."""
+    if len(stats) == 1:
+        return stats[0]
+    rounds = sum(s["rounds"] for s in stats)
+    drafted, accepted = sum(s["drafted_tokens"] for s in stats), sum(s["accepted_tokens"] for s in stats)
+
+    def per_round(get) -> float:
+        return sum(get(s) * s["rounds"] for s in stats) / rounds if rounds else 0.0
+    return {
+        "drafted_tokens": drafted, "accepted_tokens": accepted, "rounds": rounds,
+        "acceptance_rate": accepted / drafted if drafted else 0.0,
+        "mean_accepted_length": per_round(lambda s: s["mean_accepted_length"]),
+        "fallback_rounds": sum(s["fallback_rounds"] for s in stats),
+        "max_target_batch_size": max(s["max_target_batch_size"] for s in stats),
+        "draft_ahead_hit_rate": per_round(lambda s: s["draft_ahead_hit_rate"]),
+        "timing_ms": {k: round(per_round(lambda s: s["timing_ms"][k]), 3) for k in stats[0]["timing_ms"]},
+    }
+
+
 def usage_body(prompt_tokens: int, completion_tokens: int) -> dict:
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
             "total_tokens": prompt_tokens + completion_tokens}
 
 
-def completion_body(rid: str, model: str, text: str, finish: str | None, usage: dict | None,
-                    speculation: dict | None, chat: bool, delta: bool) -> dict:
-    """A completion (or one streamed chunk of it), text or chat flavour."""
+def choice_body(index: int, text: str, finish: str | None, chat: bool, delta: bool) -> dict:
     if chat:
-        choice = {"index": 0, ("delta" if delta else "message"): {"role": "assistant", "content": text},
-                  "finish_reason": finish, "logprobs": None}
-        obj = "chat.completion.chunk" if delta else "chat.completion"
-    else:
-        choice = {"index": 0, "text": text, "finish_reason": finish, "logprobs": None}
-        obj = "text_completion"
-    body = {"id": rid, "object": obj, "created": int(time.time()), "model": model, "choices": [choice]}
+        return {"index": index, ("delta" if delta else "message"): {"role": "assistant", "content": text},
+                "finish_reason": finish, "logprobs": None}
+    return {"index": index, "text": text, "finish_reason": finish, "logprobs": None}
+
+
+def completion_body(rid: str, model: str, text: str | list[dict], finish: str | None, usage: dict | None,
+                    speculation: dict | None, chat: bool, delta: bool, index: int = 0) -> dict:
+    """A completion (or one streamed chunk of it), text or chat flavour: one choice (`text`,
+    `finish`, `index`), or the given list of choice_body()s."""
+    choices = text if isinstance(text, list) else [choice_body(index, text, finish, chat, delta)]
+    obj = ("chat.completion.chunk" if delta else "chat.completion") if chat else "text_completion"
+    body = {"id": rid, "object": obj, "created": int(time.time()), "model": model, "choices": choices}
     if usage is not None:
         body["usage"] = usage
     if speculation is not None:

@@ -13,6 +13,7 @@ from app.batching import MicroBatcher
 from app.driver import DraftUnavailable
 from app.spec import Proposal, ProposeItem
 from deployments.affinity import Calls
+from deployments.router import own_serve_request
 
 log = logging.getLogger("ray.serve")
 
@@ -23,7 +24,11 @@ class DraftClient:
     def __init__(self, handle, max_batch: int | None = None):
         self.handle = handle
         self._homes: dict[str, str] = {}  # seq id -> draft replica id
-        self._calls = MicroBatcher(lambda items, home: handle.propose_many.remote(Calls(items, home)), max_batch)
+        self._calls = MicroBatcher(self._call, max_batch)
+
+    def _call(self, items: list[ProposeItem], home: str | None):
+        with own_serve_request():  # several calls of one target request may be in flight at once
+            return self.handle.propose_many.remote(Calls(items, home))
 
     async def submit(self, item: ProposeItem) -> Proposal:
         try:

@@ -23,8 +23,9 @@ from transformers import AutoTokenizer
 
 from app import telemetry
 from app.errors import InvalidRequestError
-from app.openai_protocol import (ChatCompletionRequest, CompletionRequest, chat_prompt_ids, completion_body,
-                                 default_max_tokens, error_body, new_id, normalise_body, sse_event, usage_body)
+from app.openai_protocol import (MAX_CHOICES, ChatCompletionRequest, CompletionRequest, chat_prompt_ids,
+                                 choice_body, choice_seed, combined_speculation, completion_body, default_max_tokens,
+                                 error_body, new_id, normalise_body, sse_event, usage_body)
 from app.params import SpeculationParams
 from deployments.config import AppConfig
 from deployments.router import Router
@@ -92,6 +93,25 @@ async def _close(stream) -> None:
         pass
 
 
+async def _stop(tasks: list[asyncio.Future], streams: list) -> None:
+    """Cancel the tasks reading the streams, wait for them, then close the streams (a stream being
+    read cannot be closed)."""
+    for t in tasks:
+        t.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
+    await asyncio.gather(*(_close(s) for s in streams))
+
+
+async def _all_or_stop(coros: list, streams: list) -> list:
+    """Await every coroutine reading the streams; if one fails, stop the rest and close every stream."""
+    tasks = [asyncio.ensure_future(c) for c in coros]
+    try:
+        return await asyncio.gather(*tasks)
+    except BaseException:
+        await _stop(tasks, streams)
+        raise
+
+
 @serve.ingress(api)
 class Ingress:
     """FastAPI ingress: validates, tokenizes, and streams each request from a TargetServer replica
@@ -156,18 +176,25 @@ class Ingress:
         except ValidationError as e:
             raise invalid(e.errors()) from None
 
-    def _prompt_ids(self, body, chat: bool) -> list[int]:
+    def _prompt_ids(self, body, chat: bool) -> list[list[int]]:
+        """The request's prompts (a completion's batch, or the one chat) as token ids."""
         if chat:
             try:
-                return chat_prompt_ids(self.tokenizer, body.messages)
+                return [chat_prompt_ids(self.tokenizer, body.messages)]
             except InvalidRequestError as e:
                 raise APIError(400, str(e), "invalid_request_error", e.param) from None
-        if isinstance(body.prompt, str):
-            return self.tokenizer(body.prompt)["input_ids"]
-        vocab = len(self.tokenizer)
-        if any(not 0 <= t < vocab for t in body.prompt):
-            raise APIError(400, f"prompt token ids must be in [0, {vocab})", "invalid_request_error", "prompt")
-        return list(body.prompt)
+        prompts, vocab = body.prompts(), len(self.tokenizer)
+        if len(prompts) * body.n > MAX_CHOICES:
+            raise APIError(400, f"prompts x n must be <= {MAX_CHOICES}", "invalid_request_error", "n")
+        out = []
+        for p in prompts:
+            if isinstance(p, str):
+                out.append(self.tokenizer(p)["input_ids"])
+            elif any(not 0 <= t < vocab for t in p):
+                raise APIError(400, f"prompt token ids must be in [0, {vocab})", "invalid_request_error", "prompt")
+            else:
+                out.append(list(p))
+        return out
 
     def _max_tokens(self, body, prompt_len: int, chat: bool) -> int:
         room = self.max_context - prompt_len
@@ -207,39 +234,59 @@ class Ingress:
         if body.model != self.model_name:
             raise APIError(404, f"model {body.model!r} does not exist; this server has {self.model_name!r}",
                            "not_found_error", "model", "model_not_found")
-        prompt_ids = self._prompt_ids(body, chat)
+        prompts = self._prompt_ids(body, chat)
         spec = body.speculation
         if spec is not None and spec.pinned_k() is not None and spec.pinned_k() > self.cfg.speculation.k_max:
             raise APIError(400, f"speculation.num_tokens must be <= {self.cfg.speculation.k_max}",
                            "invalid_request_error", "speculation.num_tokens")
-        try:
-            params = body.sampling(self._max_tokens(body, len(prompt_ids), chat), self.default_spec)
-        except ValidationError as e:
-            raise invalid(e.errors()) from None
+        jobs = []  # (prompt ids, params) of each choice, in OpenAI's order: n choices per prompt
+        for ids in prompts:
+            try:
+                params = body.sampling(self._max_tokens(body, len(ids), chat), self.default_spec).model_dump()
+            except ValidationError as e:
+                raise invalid(e.errors()) from None
+            for j in range(body.n):
+                seed = params["seed"]
+                jobs.append((ids, {**params, "seed": choice_seed(seed, j) if seed is not None else None}))
         rid = new_id("chatcmpl" if chat else "cmpl")
-        stream = self.router.generate(uuid.uuid4().hex, prompt_ids, params.model_dump(), telemetry.carrier(span))
+        streams = [self.router.generate(uuid.uuid4().hex, ids, params, telemetry.carrier(span)) for ids, params in jobs]
         deadline = asyncio.get_running_loop().time() + self.cfg.limits.request_timeout_s
-        first = await self._next(stream, deadline)  # errors before any token get a proper status
-        if first.get("error"):
-            raise APIError.from_router(first["error"])
+        prompt_tokens = sum(len(ids) for ids in prompts)  # each prompt counted once, whatever n
+        # errors before any token get a proper status
+        firsts = await _all_or_stop([self._next(s, deadline) for s in streams], streams)
+        for first in firsts:
+            if first.get("error"):
+                await _stop([], streams)
+                raise APIError.from_router(first["error"])
         if body.stream:
             options = body.stream_options
             include_usage = bool(options and options.include_usage)
             # as vLLM: usage on every chunk when both are asked for
-            continuous = len(prompt_ids) if include_usage and options.continuous_usage_stats else None
-            return StreamingResponse(self._sse(rid, first, stream, deadline, chat, include_usage, span, continuous),
-                                     media_type="text/event-stream")
-        text, last = first.get("text", ""), first
+            continuous = include_usage and options.continuous_usage_stats
+            return StreamingResponse(self._sse(rid, firsts, streams, deadline, chat, include_usage, prompt_tokens,
+                                               continuous, span), media_type="text/event-stream")
         try:
-            while "finish_reason" not in last:
-                last = await self._next(stream, deadline)
-                if last.get("error"):
-                    raise APIError.from_router(last["error"])
-                text += last.get("text", "")
+            done = await _all_or_stop([self._rest(s, f, deadline) for s, f in zip(streams, firsts)], streams)
         finally:
-            await _close(stream)
-        return completion_body(rid, self.model_name, text, last["finish_reason"], last["usage"],
-                               last["speculation"], chat, delta=False)
+            await _stop([], streams)
+        usage = usage_body(prompt_tokens, sum(last["usage"]["completion_tokens"] for _, last in done))
+        if len(done) == 1:
+            text, last = done[0]
+            return completion_body(rid, self.model_name, text, last["finish_reason"], usage, last["speculation"],
+                                   chat, delta=False)
+        choices = [choice_body(i, text, last["finish_reason"], chat, delta=False) for i, (text, last) in enumerate(done)]
+        return completion_body(rid, self.model_name, choices, None, usage,
+                               combined_speculation([last["speculation"] for _, last in done]), chat, delta=False)
+
+    async def _rest(self, stream, first: dict, deadline: float) -> tuple[str, dict]:
+        """A generation's whole text and its last chunk (finish_reason, usage, speculation)."""
+        text, last = first.get("text", ""), first
+        while "finish_reason" not in last:
+            last = await self._next(stream, deadline)
+            if last.get("error"):
+                raise APIError.from_router(last["error"])
+            text += last.get("text", "")
+        return text, last
 
     async def _next(self, stream, deadline: float) -> dict:
         """The generation's next chunk, within the request's deadline (past it the generation is stopped)."""
@@ -256,37 +303,48 @@ class Ingress:
         except StopAsyncIteration:
             raise APIError(503, "generation ended without a result", "service_unavailable") from None
 
-    async def _sse(self, rid: str, first: dict, stream, deadline: float, chat: bool, include_usage: bool, span=None,
-                   continuous_prompt_tokens: int | None = None):
-        """The stream as server-sent events; with continuous_prompt_tokens (the prompt's length),
-        every chunk carries the usage so far."""
-        chunk, completion = first, 0
-        try:
+    async def _sse(self, rid: str, firsts: list[dict], streams: list, deadline: float, chat: bool,
+                   include_usage: bool, prompt_tokens: int, continuous: bool, span=None):
+        """The generations as one stream of server-sent events, each chunk naming its choice's index;
+        with `continuous`, every chunk carries the usage so far."""
+        queue: asyncio.Queue = asyncio.Queue()
+
+        async def pump(index: int, stream, chunk: dict) -> None:
             while True:
+                await queue.put((index, chunk))
+                if chunk.get("error") or "finish_reason" in chunk:
+                    return
+                try:
+                    chunk = await self._next(stream, deadline)
+                except APIError as e:
+                    chunk = error_body(e.message, e.type, e.param, e.code)
+
+        pumps = [asyncio.ensure_future(pump(i, s, f)) for i, (s, f) in enumerate(zip(streams, firsts))]
+        completion, finals = [0] * len(streams), {}
+        try:
+            while len(finals) < len(streams):
+                index, chunk = await queue.get()
                 if chunk.get("error"):
                     yield sse_event({"error": chunk["error"]})
                     break
                 finish = chunk.get("finish_reason")
-                completion += len(chunk.get("token_ids", ()))
+                completion[index] += len(chunk.get("token_ids", ()))
                 if chunk.get("text") or finish:
                     spec = chunk.get("speculation") if finish and not include_usage else None
-                    usage = None
-                    if continuous_prompt_tokens is not None:
-                        usage = chunk["usage"] if finish else usage_body(continuous_prompt_tokens, completion)
+                    usage = usage_body(prompt_tokens, sum(completion)) if continuous else None
                     yield sse_event(completion_body(rid, self.model_name, chunk.get("text", ""), finish, usage, spec,
-                                                 chat, delta=True))
+                                                 chat, delta=True, index=index))
                 if finish:
-                    if include_usage:
-                        usage_chunk = completion_body(rid, self.model_name, "", None, chunk["usage"],
-                                                      chunk["speculation"], chat, delta=True)
-                        usage_chunk["choices"] = []
-                        yield sse_event(usage_chunk)
-                    break
-                chunk = await self._next(stream, deadline)
-        except APIError as e:
-            yield sse_event(error_body(e.message, e.type, e.param, e.code))
+                    finals[index] = chunk
+            else:
+                if include_usage:
+                    usage_chunk = completion_body(
+                        rid, self.model_name, [], None,
+                        usage_body(prompt_tokens, sum(f["usage"]["completion_tokens"] for f in finals.values())),
+                        combined_speculation([finals[i]["speculation"] for i in sorted(finals)]), chat, delta=True)
+                    yield sse_event(usage_chunk)
         finally:
-            await _close(stream)  # a client that went away stops the generation and frees its caches
+            await _stop(pumps, streams)  # a client that went away stops the generations and frees their caches
             if span is not None:
                 span.end()
         yield "data: [DONE]\n\n"

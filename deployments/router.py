@@ -13,9 +13,12 @@ durable state of a request is what was streamed, which the ingress has.
 """
 
 import asyncio
+import contextlib
+import dataclasses
 import logging
 import secrets
 import time
+import uuid
 from collections.abc import AsyncIterator
 
 from ray.exceptions import ActorUnavailableError, RayActorError
@@ -36,6 +39,23 @@ REPLICA_GONE = (RayActorError, ActorUnavailableError, DeploymentUnavailableError
 def replica_gone(e: BaseException) -> bool:
     """Whether a call failed because its replica (or one of its rank workers) is gone, not the request."""
     return isinstance(e, REPLICA_GONE) or isinstance(getattr(e, "cause", None), REPLICA_GONE)
+
+
+@contextlib.contextmanager
+def own_serve_request():
+    """Calls made inside are a Serve request of their own. A handle call inherits its caller's
+    internal request id, and Serve tracks calls in flight by that id: the generations of one HTTP
+    request (its n choices, its batch of prompts) sharing it jammed the target replica's calls to the
+    draft pool (one spun in Serve's request router, measured). Serve offers no public way to set the
+    id, so this sets its request-context variable, the way Serve's own proxy does per request."""
+    from ray.serve import context
+
+    current = context._get_serve_request_context()
+    token = context._serve_request_context.set(dataclasses.replace(current, _internal_request_id=uuid.uuid4().hex))
+    try:
+        yield
+    finally:
+        context._serve_request_context.reset(token)
 
 
 class Router:
@@ -85,7 +105,8 @@ class Router:
         """The job's chunks from a target replica, resumed on another while replicas fail."""
         retries = self.cfg.limits.target_retries
         for attempt in range(retries + 1):
-            stream = self.target.options(stream=True).generate.remote(job)
+            with own_serve_request():
+                stream = self.target.options(stream=True).generate.remote(job)
             try:
                 async for chunk in stream:
                     job.record(chunk)

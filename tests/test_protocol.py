@@ -5,7 +5,8 @@ import pytest
 
 from app.engine import Engine
 from app.errors import InvalidRequestError
-from app.openai_protocol import ChatCompletionRequest, CompletionRequest, normalise_body
+from app.openai_protocol import (ChatCompletionRequest, CompletionRequest, choice_seed, combined_speculation,
+                                 normalise_body)
 from app.runner import ModelRunner
 from tests.conftest import blend
 
@@ -37,7 +38,7 @@ def test_harmless_fields_are_accepted_and_no_op_values_too():
 
 
 @pytest.mark.parametrize("field, value", [
-    ("n", 2), ("best_of", 3), ("echo", True), ("logprobs", True), ("logprobs", 1), ("logprobs", 0),
+    ("best_of", 3), ("echo", True), ("logprobs", True), ("logprobs", 1), ("logprobs", 0),
     ("top_logprobs", 5), ("presence_penalty", 0.5), ("frequency_penalty", -1), ("repetition_penalty", 1.2),
     ("min_p", 0.1), ("logit_bias", {"5": 10}), ("min_tokens", 4), ("stop_token_ids", [7]),
     ("response_format", {"type": "json_object"}), ("suffix", "tail"),
@@ -78,3 +79,34 @@ def test_any_int64_seed_is_accepted_and_reproducible(target_model, tokenizer):
     params = {"max_tokens": 12, "temperature": 1.0, "seed": -12345, "ignore_eos": True}
     first, again = (engine.generate("def f(x):", params)[0].token_ids for _ in range(2))
     assert first == again and len(first) == 12
+
+
+def test_prompts_of_a_batch():
+    assert completion(prompt="a").prompts() == ["a"]
+    assert completion(prompt=[5, 6]).prompts() == [[5, 6]]
+    assert completion(prompt=["a", "b"]).prompts() == ["a", "b"]
+    assert completion(prompt=[[5], [6, 7]]).prompts() == [[5], [6, 7]]
+    for bad in ([], [""], [[5], []], [["a"]]):
+        with pytest.raises(ValueError):
+            completion(prompt=bad)
+
+
+def test_choice_seeds_are_the_seed_first_then_distinct_int64s():
+    for seed in (0, 11, -(2**63), 2**63 - 1):
+        seeds = [choice_seed(seed, j) for j in range(64)]
+        assert seeds[0] == seed and len(set(seeds)) == 64
+        assert all(-(2**63) <= s < 2**63 for s in seeds)
+    assert choice_seed(11, 5) == choice_seed(11, 5) != choice_seed(12, 5)
+
+
+def test_speculation_of_several_choices_weights_by_rounds():
+    def stats(rounds, drafted, accepted, tau, ms):
+        return {"drafted_tokens": drafted, "accepted_tokens": accepted, "rounds": rounds, "acceptance_rate": 0.0,
+                "mean_accepted_length": tau, "fallback_rounds": 1, "max_target_batch_size": rounds,
+                "draft_ahead_hit_rate": 0.5, "timing_ms": {"round": ms}}
+    one = stats(10, 40, 30, 4.0, 20.0)
+    assert combined_speculation([one]) is one
+    both = combined_speculation([one, stats(30, 60, 15, 1.5, 10.0)])
+    assert (both["rounds"], both["drafted_tokens"], both["accepted_tokens"], both["fallback_rounds"]) == (40, 100, 45, 2)
+    assert both["acceptance_rate"] == 0.45 and both["mean_accepted_length"] == (40 + 45) / 40
+    assert both["timing_ms"]["round"] == 12.5 and both["max_target_batch_size"] == 30

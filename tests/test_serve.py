@@ -100,6 +100,39 @@ def test_fields_we_do_not_honour_get_a_400_naming_them(app):
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2
 
 
+def test_a_batch_of_prompts_gets_one_choice_each_in_order(client, reference):
+    batch = PROMPTS[3:6]
+    r = client.completions.create(model="target", prompt=batch, max_tokens=N, temperature=0, extra_body=EXTRA)
+    assert [c.index for c in r.choices] == [0, 1, 2]
+    assert [c.text for c in r.choices] == [reference[p] for p in batch]
+    assert r.usage.completion_tokens == 3 * N and r.model_extra["speculation"]["rounds"] >= 3
+    ids = [client.completions.create(model="target", prompt=p, max_tokens=1, temperature=0).usage.prompt_tokens
+           for p in batch]
+    assert r.usage.prompt_tokens == sum(ids)
+    # token-id prompts, streamed: each chunk names its choice
+    tokens = [[5, 6, 7], [8, 9]]
+    chunks = list(client.completions.create(model="target", prompt=tokens, max_tokens=N, temperature=0, stream=True,
+                                            extra_body=EXTRA))
+    streamed = {i: "".join(c.choices[0].text for c in chunks if c.choices and c.choices[0].index == i) for i in (0, 1)}
+    alone = [client.completions.create(model="target", prompt=t, max_tokens=N, temperature=0,
+                                       extra_body=EXTRA).choices[0].text for t in tokens]
+    assert [streamed[0], streamed[1]] == alone
+
+
+def test_n_choices_have_their_own_reproducible_seeds(client):
+    kw = dict(model="target", prompt=PROMPTS[0], max_tokens=N, temperature=1.0, seed=11, extra_body=EXTRA)
+    r = client.completions.create(n=3, **kw)
+    texts = [c.text for c in r.choices]
+    assert [c.index for c in r.choices] == [0, 1, 2] and r.usage.completion_tokens == 3 * N
+    assert texts == [c.text for c in client.completions.create(n=3, **kw).choices]  # reproducible
+    assert texts[0] == client.completions.create(**kw).choices[0].text  # the first choice is the seed's own
+    assert len(set(texts)) > 1  # the others draw their own numbers (24 sampled tokens: equal by chance ~never)
+    streamed = list(client.completions.create(n=3, stream=True, stream_options={"include_usage": True}, **kw))
+    by_index = {i: "".join(c.choices[0].text for c in streamed if c.choices and c.choices[0].index == i)
+                for i in range(3)}
+    assert [by_index[i] for i in range(3)] == texts and streamed[-1].usage.completion_tokens == 3 * N
+
+
 def test_pinned_k_and_speculation_off(client, reference):
     for spec in ({"num_tokens": 3}, {"enabled": False}):
         r = client.completions.create(model="target", prompt=PROMPTS[2], max_tokens=N, temperature=0,
@@ -127,7 +160,9 @@ def test_concurrent_requests_match_sequential_and_batch(app, reference):
     ({"prompt": "x", "top_p": 0}, 400, "top_p"),
     ({"max_tokens": 4}, 400, "prompt"),
     ({"prompt": ""}, 400, "prompt"),
-    ({"prompt": "x", "n": 2}, 400, "n"),
+    ({"prompt": "x", "n": 65}, 400, "n"),
+    ({"prompt": ["x"] * 33, "n": 2}, 400, "n"),
+    ({"prompt": ["x", ""]}, 400, "prompt"),
     ({"prompt": "x", "speculation": {"num_tokens": -2}}, 400, "speculation.num_tokens"),
     ({"prompt": "x", "speculation": {"num_tokens": 99}}, 400, "speculation.num_tokens"),
     ({"prompt": "x", "speculation": {"bogus": 1}}, 400, "speculation.bogus"),
