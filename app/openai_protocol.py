@@ -25,7 +25,7 @@ NO_OP_VALUES: dict[str, tuple] = {
     "parallel_tool_calls": (True, False), "skip_special_tokens": (True,), "include_stop_str_in_output": (False,),
     "suffix": ("",),
 }
-WHY_NOT = {"tools": "this server does not parse tool calls yet", "tool_choice": "this server does not parse tool calls yet"}
+WHY_NOT = dict.fromkeys(("tools", "tool_choice"), "this server does not parse tool calls yet")
 
 
 def normalise_body(data: dict, model_cls: type[BaseModel]) -> dict:

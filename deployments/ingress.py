@@ -274,7 +274,8 @@ class Ingress:
             text, last = done[0]
             return completion_body(rid, self.model_name, text, last["finish_reason"], usage, last["speculation"],
                                    chat, delta=False)
-        choices = [choice_body(i, text, last["finish_reason"], chat, delta=False) for i, (text, last) in enumerate(done)]
+        choices = [choice_body(i, text, last["finish_reason"], chat, delta=False)
+                   for i, (text, last) in enumerate(done)]
         return completion_body(rid, self.model_name, choices, None, usage,
                                combined_speculation([last["speculation"] for _, last in done]), chat, delta=False)
 

@@ -12,7 +12,8 @@ from tests.conftest import blend
 
 
 def completion(**body) -> CompletionRequest:
-    return CompletionRequest.model_validate(normalise_body({"model": "target", "prompt": "x", **body}, CompletionRequest))
+    data = normalise_body({"model": "target", "prompt": "x", **body}, CompletionRequest)
+    return CompletionRequest.model_validate(data)
 
 
 def refused(model_cls=CompletionRequest, **body) -> InvalidRequestError:
@@ -107,6 +108,7 @@ def test_speculation_of_several_choices_weights_by_rounds():
     one = stats(10, 40, 30, 4.0, 20.0)
     assert combined_speculation([one]) is one
     both = combined_speculation([one, stats(30, 60, 15, 1.5, 10.0)])
-    assert (both["rounds"], both["drafted_tokens"], both["accepted_tokens"], both["fallback_rounds"]) == (40, 100, 45, 2)
+    counts = (both["rounds"], both["drafted_tokens"], both["accepted_tokens"], both["fallback_rounds"])
+    assert counts == (40, 100, 45, 2)
     assert both["acceptance_rate"] == 0.45 and both["mean_accepted_length"] == (40 + 45) / 40
     assert both["timing_ms"]["round"] == 12.5 and both["max_target_batch_size"] == 30

@@ -4,11 +4,11 @@ distilled from the target's logits so that their greedy choices agree as often a
 Both models are plain `LlamaForCausalLM`s. Training runs in bfloat16 autocast (CPUs with
 AVX512-BF16/AMX do bf16 matmuls several times faster than fp32) with fp32 master weights.
 The target learns with AdamW. The draft's hidden weight matrices learn with torch's Muon
-(orthogonalised momentum), its embeddings and norms with AdamW: 250 such steps on the target's
-greedy text gave held-out τ 3.58 at K = 4, AdamW alone 3.36. (Muon also took the target to a
-lower held-out loss in a third of the steps, 5.57 against 5.70, but that target's greedy text
-fell into loops, 10 % distinct 4-grams against 29 %: a pair that speculates on loops is a weaker
-pair, whatever its τ.)
+(orthogonalised momentum), its embeddings and norms with AdamW: in one-off trials, 250 such
+steps on the target's greedy text gave held-out τ 3.58 at K = 4, AdamW alone 3.36. (Muon also
+took the target to a lower held-out loss in a third of the steps, 5.57 against 5.70, but that
+target's greedy text fell into loops, 10 % distinct 4-grams against 29 %: a pair that speculates
+on loops is a weaker pair, whatever its τ.)
 """
 
 from __future__ import annotations
