@@ -189,8 +189,13 @@ def combined_speculation(stats: list[dict]) -> dict:
 
     def per_round(get) -> float:
         return sum(get(s) * s["rounds"] for s in stats) / rounds if rounds else 0.0
+    per_position = [0] * max(len(s["accepted_per_position"]) for s in stats)
+    for s in stats:
+        for j, n in enumerate(s["accepted_per_position"]):
+            per_position[j] += n
     return {
         "drafted_tokens": drafted, "accepted_tokens": accepted, "rounds": rounds,
+        "drafted_rounds": sum(s["drafted_rounds"] for s in stats), "accepted_per_position": per_position,
         "acceptance_rate": accepted / drafted if drafted else 0.0,
         "mean_accepted_length": per_round(lambda s: s["mean_accepted_length"]),
         "fallback_rounds": sum(s["fallback_rounds"] for s in stats),

@@ -34,6 +34,7 @@ class SpeculationStats:
     drafted_tokens: int = 0
     accepted_tokens: int = 0
     rounds: int = 0
+    drafted_rounds: int = 0  # rounds in which the draft proposed tokens
     fallback_rounds: int = 0
     emitted_tokens: int = 0
     accepted_per_position: list[int] = field(default_factory=list)
@@ -50,6 +51,7 @@ class SpeculationStats:
             self.ahead_checked += 1
             self.ahead_hits += int(ahead_hit)
         self.max_target_batch = max(self.max_target_batch, batch_size)
+        self.drafted_rounds += int(drafted > 0)
         self.drafted_tokens += drafted
         self.accepted_tokens += accepted
         self.emitted_tokens += emitted
@@ -70,6 +72,8 @@ class SpeculationStats:
             "drafted_tokens": self.drafted_tokens,
             "accepted_tokens": self.accepted_tokens,
             "rounds": self.rounds,
+            "drafted_rounds": self.drafted_rounds,
+            "accepted_per_position": list(self.accepted_per_position),  # accepted draft tokens at proposal position j
             "acceptance_rate": self.accepted_tokens / self.drafted_tokens if self.drafted_tokens else 0.0,
             # tokens per target forward, the bonus/recovered token included (tau)
             "mean_accepted_length": self.emitted_tokens / self.rounds if self.rounds else 0.0,

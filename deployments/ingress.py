@@ -11,9 +11,10 @@ import json
 import os
 import uuid
 
+import prometheus_client
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 from opentelemetry.trace import SpanKind
 from pydantic import ValidationError
 from ray import serve
@@ -28,6 +29,7 @@ from app.openai_protocol import (MAX_CHOICES, ChatCompletionRequest, CompletionR
                                  error_body, new_id, normalise_body, sse_event, usage_body)
 from app.params import SpeculationParams
 from deployments.config import AppConfig
+from deployments.metrics import VLLMSpecDecodeCounters
 from deployments.router import Router
 
 # used when a tokenizer ships no chat template (the demo pair): plain "role: content" turns
@@ -126,12 +128,18 @@ class Ingress:
         self.api_key = os.environ.get(cfg.api_key_env) or None  # a secret from the environment, never the config
         default = cfg.speculation.default_num_tokens
         self.default_spec = SpeculationParams(num_tokens=default)
+        self.spec_counters = VLLMSpecDecodeCounters(model_name)
         telemetry.configure_tracing("ingress")
 
     # -- endpoints ---------------------------------------------------------------------------
     @api.get("/health")
     async def health(self):
         return {"status": "ok"}
+
+    @api.get("/metrics")
+    async def metrics(self):
+        """vLLM's spec-decode counters in Prometheus' text format (deployments/metrics.py)."""
+        return Response(self.spec_counters.render(), media_type=prometheus_client.CONTENT_TYPE_LATEST)
 
     @api.get("/v1/models")
     async def models(self, request: Request):
@@ -287,6 +295,7 @@ class Ingress:
             if last.get("error"):
                 raise APIError.from_router(last["error"])
             text += last.get("text", "")
+        self.spec_counters.count(last["speculation"])
         return text, last
 
     async def _next(self, stream, deadline: float) -> dict:
@@ -337,6 +346,7 @@ class Ingress:
                                                  chat, delta=True, index=index))
                 if finish:
                     finals[index] = chunk
+                    self.spec_counters.count(chunk["speculation"])
             else:
                 if include_usage:
                     usage_chunk = completion_body(

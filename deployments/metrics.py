@@ -5,6 +5,7 @@ Ray prefixes every name with `ray_`, counters end in `_total` and histograms exp
 ever names a request: cardinality stays bounded by replicas, K positions and fallback reasons.
 """
 
+import prometheus_client
 from ray.serve.metrics import Counter, Gauge, Histogram
 
 from app.telemetry import RoundFacts
@@ -130,3 +131,33 @@ class ServerMetrics:
         if cache.prefix_hit_tokens > self._prefix_hits_seen:
             self.prefix_hits.inc(cache.prefix_hit_tokens - self._prefix_hits_seen)
             self._prefix_hits_seen = cache.prefix_hit_tokens
+
+
+class VLLMSpecDecodeCounters:
+    """vLLM's speculative-decoding counters (`vllm:spec_decode_*_total`) on the ingress's own
+    /metrics, so tools written for vLLM (its `vllm bench serve`) report our acceptance. Ray exports
+    metrics on its own port under its own names (above); these are counted by the ingress replica
+    that answers, over the generations it finished, in their own registry."""
+
+    def __init__(self, model_name: str):
+        self.registry = prometheus_client.CollectorRegistry()
+        self.model = model_name
+
+        def counter(name: str, doc: str, labels=("model_name",)):
+            return prometheus_client.Counter(f"vllm:spec_decode_{name}", doc, labels, registry=self.registry)
+        self.drafts = counter("num_drafts", "Rounds in which the draft proposed tokens.")
+        self.draft_tokens = counter("num_draft_tokens", "Draft tokens checked by the target.")
+        self.accepted = counter("num_accepted_tokens", "Draft tokens the target accepted.")
+        self.per_pos = counter("num_accepted_tokens_per_pos", "Accepted draft tokens by proposal position.",
+                               ("model_name", "position"))
+
+    def count(self, speculation: dict) -> None:
+        """Add one finished generation's `speculation` summary."""
+        self.drafts.labels(self.model).inc(speculation["drafted_rounds"])
+        self.draft_tokens.labels(self.model).inc(speculation["drafted_tokens"])
+        self.accepted.labels(self.model).inc(speculation["accepted_tokens"])
+        for j, n in enumerate(speculation["accepted_per_position"]):
+            self.per_pos.labels(self.model, str(j)).inc(n)
+
+    def render(self) -> bytes:
+        return prometheus_client.generate_latest(self.registry)

@@ -103,6 +103,7 @@ def test_choice_seeds_are_the_seed_first_then_distinct_int64s():
 def test_speculation_of_several_choices_weights_by_rounds():
     def stats(rounds, drafted, accepted, tau, ms):
         return {"drafted_tokens": drafted, "accepted_tokens": accepted, "rounds": rounds, "acceptance_rate": 0.0,
+                "drafted_rounds": rounds - 1, "accepted_per_position": [rounds, accepted - rounds],
                 "mean_accepted_length": tau, "fallback_rounds": 1, "max_target_batch_size": rounds,
                 "draft_ahead_hit_rate": 0.5, "timing_ms": {"round": ms}}
     one = stats(10, 40, 30, 4.0, 20.0)
@@ -112,3 +113,25 @@ def test_speculation_of_several_choices_weights_by_rounds():
     assert counts == (40, 100, 45, 2)
     assert both["acceptance_rate"] == 0.45 and both["mean_accepted_length"] == (40 + 45) / 40
     assert both["timing_ms"]["round"] == 12.5 and both["max_target_batch_size"] == 30
+    assert both["drafted_rounds"] == 38 and both["accepted_per_position"] == [40, 5]
+
+
+def test_vllm_spec_decode_counters_read_as_vllms_client_reads_them():
+    """`vllm bench serve` sums lines starting `vllm:spec_decode` whose name ends in `_total`."""
+    from deployments.metrics import VLLMSpecDecodeCounters
+
+    counters = VLLMSpecDecodeCounters("target")
+    for spec in ({"drafted_rounds": 3, "drafted_tokens": 12, "accepted_tokens": 7, "accepted_per_position": [3, 3, 1]},
+                 {"drafted_rounds": 1, "drafted_tokens": 4, "accepted_tokens": 4, "accepted_per_position": [1, 1, 1, 1]}):
+        counters.count(spec)
+    totals, per_pos = {}, {}
+    for line in counters.render().decode().splitlines():
+        if line.startswith("vllm:spec_decode") and line.split(None, 1)[0].split("{")[0].endswith("_total"):
+            name, value = line.split("{")[0], float(line.rsplit(None, 1)[-1])
+            if "per_pos" in name:
+                per_pos[int(line.split('position="')[1].split('"')[0])] = value
+            else:
+                totals[name] = value
+    assert totals == {"vllm:spec_decode_num_drafts_total": 4, "vllm:spec_decode_num_draft_tokens_total": 16,
+                      "vllm:spec_decode_num_accepted_tokens_total": 11}
+    assert per_pos == {0: 4, 1: 4, 2: 2, 3: 1}

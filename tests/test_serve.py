@@ -133,6 +133,21 @@ def test_n_choices_have_their_own_reproducible_seeds(client):
     assert [by_index[i] for i in range(3)] == texts and streamed[-1].usage.completion_tokens == 3 * N
 
 
+def test_vllms_spec_decode_counters_on_metrics(app, client):
+    def totals() -> dict:
+        lines = httpx.get(f"{app}/metrics", timeout=30).text.splitlines()
+        return {ln.split("{")[0]: float(ln.rsplit(None, 1)[-1]) for ln in lines
+                if ln.startswith("vllm:spec_decode_num_") and "per_pos" not in ln}
+    before = totals()
+    r = client.completions.create(model="target", prompt=PROMPTS[7], max_tokens=N, temperature=0,
+                                  extra_body={**EXTRA, "speculation": {"num_tokens": 3}})
+    after, spec = totals(), r.model_extra["speculation"]
+    grew = {k: after[k] - before.get(k, 0.0) for k in after}
+    assert grew["vllm:spec_decode_num_draft_tokens_total"] == spec["drafted_tokens"] > 0
+    assert grew["vllm:spec_decode_num_accepted_tokens_total"] == spec["accepted_tokens"]
+    assert grew["vllm:spec_decode_num_drafts_total"] == spec["drafted_rounds"] > 0
+
+
 def test_pinned_k_and_speculation_off(client, reference):
     for spec in ({"num_tokens": 3}, {"enabled": False}):
         r = client.completions.create(model="target", prompt=PROMPTS[2], max_tokens=N, temperature=0,
