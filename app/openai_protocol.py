@@ -20,7 +20,7 @@ HARMLESS_FIELDS = frozenset({"user", "metadata", "store", "service_tier", "safet
 NO_OP_VALUES: dict[str, tuple] = {
     "best_of": (1,), "echo": (False,), "logprobs": (False,), "top_logprobs": (0,),
     "presence_penalty": (0, 0.0), "frequency_penalty": (0, 0.0), "repetition_penalty": (1, 1.0),
-    "min_p": (0, 0.0), "logit_bias": ({},), "min_tokens": (0,), "stop_token_ids": ([],),
+    "min_p": (0, 0.0), "logit_bias": ({},), "min_tokens": (0,),
     "response_format": ({"type": "text"},), "tools": ([],), "tool_choice": ("none", "auto"),
     "parallel_tool_calls": (True, False), "skip_special_tokens": (True,), "include_stop_str_in_output": (False,),
     "suffix": ("",),
@@ -71,6 +71,7 @@ class _Common(BaseModel):
     stream: bool = Field(False, description="Server-sent events, ending with data: [DONE].")
     stream_options: StreamOptions | None = Field(None, description="Streaming options.")
     ignore_eos: bool = Field(False, description="Extension: keep generating past end-of-sequence.")
+    stop_token_ids: list[int] = Field(default_factory=list, description="Extension: token ids that end generation.")
     speculation: SpeculationParams | None = Field(None, description="Extension: K or speculation off.")
 
     @field_validator("stop")
@@ -84,6 +85,7 @@ class _Common(BaseModel):
     def sampling(self, max_tokens: int, default_spec: SpeculationParams) -> SamplingParams:
         return SamplingParams(max_tokens=max_tokens, temperature=self.temperature, top_p=self.top_p,
                               top_k=self.top_k, stop=self.stop or [], seed=self.seed, ignore_eos=self.ignore_eos,
+                              stop_token_ids=self.stop_token_ids,
                               speculation=self.speculation or default_spec)
 
 

@@ -48,6 +48,10 @@ class SamplingParams(BaseModel):
     seed: int | None = Field(None, ge=MIN_SEED, le=MAX_SEED,
                              description="Makes sampling reproducible, whatever else is in the batch.")
     ignore_eos: bool = Field(False, description="Keep generating past the end-of-sequence token.")
+    stop_token_ids: list[int] = Field(default_factory=list, max_length=64,
+                                      description="Token ids that end generation (excluded from the output), "
+                                                  "beside the model's end-of-sequence ids; ignore_eos does not "
+                                                  "apply to them.")
     speculation: SpeculationParams = Field(default_factory=SpeculationParams, description="Speculation control.")
 
     @field_validator("stop", mode="before")
@@ -59,6 +63,13 @@ class SamplingParams(BaseModel):
             v = [v]
         if any(not isinstance(s, str) or s == "" for s in v):
             raise ValueError("stop must be a non-empty string or a list of non-empty strings")
+        return v
+
+    @field_validator("stop_token_ids")
+    @classmethod
+    def _token_ids(cls, v):
+        if any(t < 0 for t in v):
+            raise ValueError("stop_token_ids must be token ids (>= 0)")
         return v
 
     @property

@@ -136,7 +136,7 @@ class RequestState:
         """Apply one round's emitted tokens, truncating at the first stop; returns the tokens kept."""
         kept = []
         for t in tokens:
-            if t in self.eos_ids and not self.params.ignore_eos:
+            if (t in self.eos_ids and not self.params.ignore_eos) or t in self.params.stop_token_ids:
                 self.finish_reason = "stop"
                 break
             kept.append(t)

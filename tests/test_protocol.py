@@ -7,6 +7,7 @@ from app.engine import Engine
 from app.errors import InvalidRequestError
 from app.openai_protocol import (ChatCompletionRequest, CompletionRequest, choice_seed, combined_speculation,
                                  normalise_body)
+from app.params import SpeculationParams, parse_sampling
 from app.runner import ModelRunner
 from tests.conftest import blend
 
@@ -41,7 +42,7 @@ def test_harmless_fields_are_accepted_and_no_op_values_too():
 @pytest.mark.parametrize("field, value", [
     ("best_of", 3), ("echo", True), ("logprobs", True), ("logprobs", 1), ("logprobs", 0),
     ("top_logprobs", 5), ("presence_penalty", 0.5), ("frequency_penalty", -1), ("repetition_penalty", 1.2),
-    ("min_p", 0.1), ("logit_bias", {"5": 10}), ("min_tokens", 4), ("stop_token_ids", [7]),
+    ("min_p", 0.1), ("logit_bias", {"5": 10}), ("min_tokens", 4),
     ("response_format", {"type": "json_object"}), ("suffix", "tail"),
 ])
 def test_fields_we_do_not_honour_are_refused_by_name(field, value):
@@ -134,3 +135,17 @@ def test_vllm_spec_decode_counters_read_as_vllms_client_reads_them():
     assert totals == {"vllm:spec_decode_num_drafts_total": 4, "vllm:spec_decode_num_draft_tokens_total": 16,
                       "vllm:spec_decode_num_accepted_tokens_total": 11}
     assert per_pos == {0: 4, 1: 4, 2: 2, 3: 1}
+
+
+def test_stop_token_ids_end_generation_under_speculation(target_model, tokenizer):
+    engine = Engine(ModelRunner(target_model, tokenizer), ModelRunner(blend(target_model, 7, 0.85), tokenizer))
+    greedy = {"max_tokens": 16, "temperature": 0.0, "speculation": {"num_tokens": 3}}
+    free = engine.generate("def f(x):", greedy)[0].token_ids
+    j = next(i for i in range(2, len(free)) if free[i] not in free[:i])  # a token first emitted at position j
+    for ignore_eos in (False, True):  # ignore_eos is about the model's eos ids only
+        out = engine.generate("def f(x):", {**greedy, "stop_token_ids": [free[j]], "ignore_eos": ignore_eos})[0]
+        assert out.token_ids == free[:j] and out.finish_reason == "stop"
+    assert completion(stop_token_ids=[free[j]]).sampling(4, SpeculationParams()).stop_token_ids == [free[j]]
+    with pytest.raises(InvalidRequestError) as e:
+        parse_sampling({"stop_token_ids": [-1]})
+    assert e.value.param == "stop_token_ids"

@@ -92,7 +92,7 @@ def test_a_guidellm_style_stream_gets_usage_on_every_chunk(client):
 
 
 def test_fields_we_do_not_honour_get_a_400_naming_them(app):
-    for field, value in (("presence_penalty", 0.5), ("logprobs", 2), ("frobnicate", 1)):
+    for field, value in (("presence_penalty", 0.5), ("logprobs", 2), ("frobnicate", 1), ("stop_token_ids", [-1])):
         r = httpx.post(f"{app}/v1/completions", json={"model": "target", "prompt": "x", field: value}, timeout=30)
         assert r.status_code == 400 and r.json()["error"]["param"] == field, r.text
     r = httpx.post(f"{app}/v1/completions", timeout=30, json={"model": "target", "prompt": "x", "max_tokens": 2,
