@@ -119,6 +119,8 @@ class RequestState:
         self.finish_reason: str | None = None if self.room() > 0 else "length"  # resumed at its end
         self.stats = SpeculationStats()
         self.eos_ids = frozenset(eos_ids) if eos_ids is not None else tokenizer_eos_ids(tokenizer)
+        # the ids that end generation: the model's eos ids (unless ignored) and the request's own
+        self.stop_ids = (frozenset() if params.ignore_eos else self.eos_ids) | frozenset(params.stop_token_ids)
 
     @property
     def token_ids(self) -> list[int]:
@@ -136,7 +138,7 @@ class RequestState:
         """Apply one round's emitted tokens, truncating at the first stop; returns the tokens kept."""
         kept = []
         for t in tokens:
-            if (t in self.eos_ids and not self.params.ignore_eos) or t in self.params.stop_token_ids:
+            if t in self.stop_ids:
                 self.finish_reason = "stop"
                 break
             kept.append(t)

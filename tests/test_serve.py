@@ -1,7 +1,6 @@
 """End to end over HTTP on a local two-node cluster, with the official openai client."""
 
 import asyncio
-import json
 
 import httpx
 import openai
