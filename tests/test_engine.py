@@ -38,8 +38,10 @@ def test_greedy_is_token_identical_to_plain_decoding(kind, k, drafts, target_mod
         assert r.token_ids == reference(target_model, r.prompt_token_ids, 24)
     assert alone.token_ids == batch[1].token_ids
     if kind == "same" and k == 4:
-        assert batch[0].speculation["acceptance_rate"] == 1.0
-        assert batch[0].speculation["mean_accepted_length"] > 4.0
+        # alone on its target a round always waits for its proposal; in a batch a proposal not yet in
+        # hand is skipped for a plain step, which the machine's speed decides, so only `alone` is checked
+        assert alone.speculation["acceptance_rate"] == 1.0
+        assert alone.speculation["mean_accepted_length"] > 4.0
 
 
 def test_k0_is_plain_target_decoding(target_model, tokenizer, drafts):
