@@ -149,7 +149,8 @@ class Rounds:
         with telemetry.span("target.verify", attributes={"specserve.k": len(proposal.tokens)}):
             new = len(state.token_ids) - self.cached + len(proposal.tokens)
             verdict = await self.verify(VerifyItem(state.request_id, state.token_ids, proposal, state.params,
-                                                   state.seed, trace=telemetry.carrier(), new_tokens=new))
+                                                   state.seed, trace=telemetry.carrier(), new_tokens=new,
+                                                   rules=state.rules))
         # the target now holds the context and the accepted draft tokens; the last kept token is new next round
         self.cached = len(state.token_ids) + verdict.accepted
         t_verify = time.perf_counter() - t0
@@ -169,7 +170,7 @@ class Rounds:
         try:
             with telemetry.span("draft.propose", attributes={"specserve.k": k}):
                 item = ProposeItem(state.request_id, context, k, state.params, state.seed,
-                                   trace=telemetry.carrier(), guess=self.policy.ahead)
+                                   trace=telemetry.carrier(), guess=self.policy.ahead, rules=state.rules)
                 t0 = time.perf_counter()
                 proposal = await asyncio.wait_for(self.propose(item), self.policy.timeout_s)
                 self.costs.observe_latency(time.perf_counter() - t0)
@@ -266,18 +267,26 @@ async def run_rounds(
     """Drive rounds until the request stops; yields the tokens each round kept.
 
     A context longer than `prefill_chunk` tokens is first prefilled a chunk per forward (sharing each
-    forward with other sequences' rounds); the first round then computes only the last chunk.
+    forward with other sequences' rounds); the first round then computes only the last chunk. A
+    request that wants its prompt's logprobs (and has streamed nothing yet) has its whole prompt
+    prefilled so, each chunk scoring its tokens.
     Each round is a span (child of `trace_parent`) and is reported to `observer`.
     """
     rounds = Rounds(state, propose, verify, controller, costs, verify_cost, policy, company)
+    score = state.params.prompt_logprobs is not None and not state.output_ids
     try:
-        if prefill_chunk:
-            for end in range(prefill_chunk, len(state.token_ids), prefill_chunk):
+        length = len(state.token_ids)
+        if prefill_chunk or score:
+            step = prefill_chunk or length
+            ends = list(range(step, length, step)) + ([length] if score else [])
+            for start, end in zip([0] + ends, ends):
                 with telemetry.span("prefill.chunk", trace_parent, attributes={"specserve.tokens": end}):
-                    await verify(VerifyItem(state.request_id, state.token_ids[:end], Proposal.empty(), state.params,
-                                            state.seed, trace=telemetry.carrier(), prefill=True,
-                                            new_tokens=end - rounds.cached))
-                rounds.cached = end
+                    done = await verify(VerifyItem(state.request_id, state.token_ids[:end], Proposal.empty(),
+                                                   state.params, state.seed, trace=telemetry.carrier(), prefill=True,
+                                                   new_tokens=end - rounds.cached + (start > 0 and score),
+                                                   score_from=start if score else None))
+                rounds.cached = min(end, length - 1)  # a round computes at least its last context position
+                state.prompt_logprobs += done.prompt_logprobs or []
         while not state.finished:
             # the span ends before the yield: a span must not stay current while the caller runs
             with telemetry.span("round", trace_parent) as span:
@@ -287,6 +296,6 @@ async def run_rounds(
             state.stats.record(verdict.drafted, verdict.accepted, len(verdict.tokens), facts.fallback is not None,
                                facts.batch_size, facts.ahead_hit)
             state.stats.time(facts)
-            yield state.append(verdict.tokens)
+            yield state.append(verdict.tokens, verdict.logprobs)
     finally:
         rounds.close()

@@ -20,7 +20,7 @@ from app.driver import DraftPolicy, run_rounds
 from app.errors import InvalidRequestError
 from app.forward_queue import ForwardQueue, in_thread
 from app.memory import size_kv_budget
-from app.params import SamplingParams, parse_sampling
+from app.params import SamplingParams, check_vocabulary, parse_sampling
 from app.request import GenerationJob, RequestState
 from app.runner import ModelRunner
 from app.spec import propose, verify, verify_tokens
@@ -63,6 +63,8 @@ class GenerationResult:
     prompt_token_ids: list[int]
     finish_reason: str
     speculation: dict
+    logprobs: list[tuple] | None = None  # per output token, when asked: (logprob, [(id, logprob), ...])
+    prompt_logprobs: list[tuple] | None = None  # per prompt token after the first, when asked
 
 
 class Transport(Protocol):
@@ -132,6 +134,7 @@ class Engine:
                     request_id: str | None = None) -> RequestState:
         """Validate and tokenize one request."""
         params = parse_sampling(params)
+        check_vocabulary(params, self.vocab_size)
         pinned = params.speculation.pinned_k()
         if pinned is not None and pinned > self.k_max:
             raise InvalidRequestError(f"speculation.num_tokens must be <= {self.k_max}", param="speculation.num_tokens")
@@ -198,7 +201,8 @@ class Engine:
             async for kept in self.stream(state, controller, observer, trace_parent):
                 delta = state.take_delta()
                 if kept or delta:
-                    chunks.put_nowait({"token_ids": kept, "text": delta, "controller": controller.snapshot()})
+                    chunks.put_nowait({"token_ids": kept, "text": delta, "controller": controller.snapshot(),
+                                       **_logprobs(state, len(kept))})
         except asyncio.CancelledError as e:
             # the stream is never left waiting: a round cancelled from elsewhere ends it with an error
             chunks.put_nowait(RuntimeError(f"generation cancelled: {e}"))
@@ -208,6 +212,7 @@ class Engine:
             return
         prompt, completion = len(job.prompt_ids), len(state.output_ids)
         chunks.put_nowait({"token_ids": [], "text": state.take_delta(), "finish_reason": state.finish_reason,
+                           **_logprobs(state, 0),
                            "usage": {"prompt_tokens": prompt, "completion_tokens": completion,
                                      "total_tokens": prompt + completion},
                            "speculation": state.stats.summary()})
@@ -241,13 +246,30 @@ class Engine:
         return [result_of(s) for s in states]
 
 
+def _logprobs(state: RequestState, kept: int) -> dict:
+    """A chunk's logprob fields, when the request asked for them: those of its `kept` last output tokens,
+    and the prompt's until a chunk has carried them (a resumed request's front has them already)."""
+    out = {}
+    if state.params.logprobs is not None:
+        out["logprobs"] = state.logprobs[len(state.logprobs) - kept:]
+    if state.prompt_logprobs:
+        out["prompt_logprobs"], state.prompt_logprobs = state.prompt_logprobs, []
+    return out
+
+
 def _merge(first: dict | BaseException, then: dict | BaseException) -> dict | BaseException:
-    """Two queued chunks as one: tokens and text joined, the later chunk's other fields (an error wins)."""
+    """Two queued chunks as one: tokens, text and logprobs joined, the later chunk's other fields (an
+    error wins)."""
     if isinstance(first, BaseException) or isinstance(then, BaseException):
         return first if isinstance(first, BaseException) else then
-    return {**first, **then, "token_ids": first["token_ids"] + then["token_ids"], "text": first["text"] + then["text"]}
+    joined = {key: first[key] + then[key] for key in ("token_ids", "text", "logprobs", "prompt_logprobs")
+              if key in first and key in then}
+    return {**first, **then, **joined}
 
 
 def result_of(state: RequestState) -> GenerationResult:
+    params = state.params
     return GenerationResult(state.request_id, state.text, list(state.output_ids), list(state.prompt_ids),
-                            state.finish_reason or "length", state.stats.summary())
+                            state.finish_reason or "length", state.stats.summary(),
+                            list(state.logprobs) if params.logprobs is not None else None,
+                            list(state.prompt_logprobs) if params.prompt_logprobs is not None else None)

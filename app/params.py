@@ -2,7 +2,7 @@
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from app.errors import InvalidRequestError
 
@@ -52,6 +52,29 @@ class SamplingParams(BaseModel):
                                       description="Token ids that end generation (excluded from the output), "
                                                   "beside the model's end-of-sequence ids; ignore_eos does not "
                                                   "apply to them.")
+    # rules that depend on the tokens before each position (app/logits.py): exact under speculation
+    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0,
+                                    description="Subtracted from the logit of every token already in the output.")
+    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0,
+                                     description="Subtracted per occurrence of a token in the output so far.")
+    repetition_penalty: float = Field(1.0, gt=0.0, le=10.0,
+                                      description="Divides positive and multiplies negative logits of tokens in "
+                                                  "the prompt or output (1 = off).")
+    logit_bias: dict[int, float] = Field(default_factory=dict, max_length=1024,
+                                         description="Token id -> bias in [-100, 100], added to its logit.")
+    min_tokens: int = Field(0, ge=0, description="No end-of-sequence or stop id (or stop string) before this "
+                                                 "many tokens.")
+    min_p: float = Field(0.0, ge=0.0, le=1.0,
+                         description="Drop tokens less likely than min_p times the most likely one.")
+    logprobs: int | None = Field(None, ge=0, le=20,
+                                 description="Log-probabilities of each output token and of its `logprobs` most "
+                                             "likely alternatives (None: none).")
+    logprobs_mode: Literal["raw", "processed"] = Field(
+        "raw", description="raw: the model's own distribution; processed: the one sampled from (after "
+                           "bias, penalties, temperature, min_p, top-k, top-p; greedy rows: before temperature).")
+    prompt_logprobs: int | None = Field(None, ge=0, le=20,
+                                        description="Log-probabilities of each prompt token after the first (raw), "
+                                                    "with this many alternatives.")
     speculation: SpeculationParams = Field(default_factory=SpeculationParams, description="Speculation control.")
 
     @field_validator("stop", mode="before")
@@ -72,6 +95,19 @@ class SamplingParams(BaseModel):
             raise ValueError("stop_token_ids must be token ids (>= 0)")
         return v
 
+    @field_validator("logit_bias")
+    @classmethod
+    def _biases(cls, v):
+        if any(t < 0 or not -100.0 <= b <= 100.0 for t, b in v.items()):
+            raise ValueError("logit_bias maps token ids (>= 0) to biases in [-100, 100]")
+        return v
+
+    @model_validator(mode="after")
+    def _consistent(self):
+        if self.min_tokens > self.max_tokens:
+            raise ValueError(f"min_tokens ({self.min_tokens}) must be <= max_tokens ({self.max_tokens})")
+        return self
+
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
@@ -89,3 +125,11 @@ def parse_sampling(params: "SamplingParams | dict | None" = None, **overrides) -
         err = e.errors()[0]
         param = ".".join(str(p) for p in err["loc"]) or None
         raise InvalidRequestError(f"invalid {param}: {err['msg']}", param=param) from None
+
+
+def check_vocabulary(params: SamplingParams, vocab_size: int) -> None:
+    """Refuse logit biases for token ids the model does not have (they would index past its logits)."""
+    outside = [t for t in params.logit_bias if t >= vocab_size]
+    if outside:
+        raise InvalidRequestError(f"logit_bias token ids must be in [0, {vocab_size}); got {outside[0]}",
+                                  param="logit_bias")

@@ -4,7 +4,8 @@ import secrets
 from dataclasses import dataclass, field
 
 from app.errors import ContextLengthError, InvalidRequestError
-from app.params import MAX_SEED, MIN_SEED, SamplingParams, parse_sampling
+from app.logits import LogitRules
+from app.params import MAX_SEED, MIN_SEED, SamplingParams, check_vocabulary, parse_sampling
 
 REPLACEMENT = "\ufffd"  # what a decoder shows for a UTF-8 sequence cut mid-way
 DETOKENIZE_CONTEXT = 5  # tokens decoded again before new ones: how a piece reads can depend on those before it
@@ -121,6 +122,10 @@ class RequestState:
         self.eos_ids = frozenset(eos_ids) if eos_ids is not None else tokenizer_eos_ids(tokenizer)
         # the ids that end generation: the model's eos ids (unless ignored) and the request's own
         self.stop_ids = (frozenset() if params.ignore_eos else self.eos_ids) | frozenset(params.stop_token_ids)
+        self.rules = LogitRules.of(params, len(self.prompt_ids), self.stop_ids)
+        # per output token when asked for: (logprob, [(id, logprob), ...]) (app.spec.token_logprobs)
+        self.logprobs: list[tuple] = []
+        self.prompt_logprobs: list[tuple] = []  # the prompt's tokens after its first, when asked for
 
     @property
     def token_ids(self) -> list[int]:
@@ -134,8 +139,9 @@ class RequestState:
         """Tokens that may still be emitted (max_tokens and the context limit)."""
         return min(self.params.max_tokens - len(self.output_ids), self.max_context - len(self.token_ids))
 
-    def append(self, tokens: list[int]) -> list[int]:
-        """Apply one round's emitted tokens, truncating at the first stop; returns the tokens kept."""
+    def append(self, tokens: list[int], logprobs: list[tuple] | None = None) -> list[int]:
+        """Apply one round's emitted tokens (and their logprobs, when asked for), truncating at the
+        first stop; returns the tokens kept."""
         kept = []
         for t in tokens:
             if t in self.stop_ids:
@@ -146,9 +152,12 @@ class RequestState:
             if self.room() <= 0:
                 self.finish_reason = "length"
                 break
+        if logprobs is not None:
+            self.logprobs += logprobs[: len(kept)]
         self._detokenize()
-        if self.params.stop:
+        if self.params.stop and len(self.output_ids) >= self.params.min_tokens:
             kept = self._apply_stop_strings(kept)
+            del self.logprobs[len(self.output_ids):]
         return kept
 
     def _decode(self, ids: list[int]) -> str:
@@ -173,7 +182,7 @@ class RequestState:
     def _apply_stop_strings(self, kept: list[int]) -> list[int]:
         """Find stop strings, also across token boundaries; truncate tokens and text there."""
         longest = max(len(s) for s in self.params.stop)
-        start = max(0, self._streamed - longest)
+        start = max(0, self._streamed - longest, self._min_tokens_text())
         hits = [(i, s) for s in self.params.stop if (i := self.text.find(s, start)) >= 0]
         if not hits:
             return kept
@@ -191,6 +200,12 @@ class RequestState:
         self._read = self._prefix = len(self.output_ids)  # finished: nothing more is decoded
         self.finish_reason = "stop"
         return kept
+
+    def _min_tokens_text(self) -> int:
+        """Characters of the text the first min_tokens tokens make: no stop string is sought in them."""
+        if not self.params.min_tokens:
+            return 0
+        return len(self._decode(self.output_ids[: self.params.min_tokens]))
 
     def take_delta(self) -> str:
         """Text not yet streamed, holding back a possible partial stop string or UTF-8 sequence."""
@@ -245,7 +260,7 @@ class GenerationJob:
                 raise InvalidRequestError(f"{name} must be a list of token ids in [0, {vocab_size})", param=name)
         if type(self.seed) is not int or not MIN_SEED <= self.seed <= MAX_SEED:
             raise InvalidRequestError(f"seed must be an integer in [{MIN_SEED}, {MAX_SEED}]", param="seed")
-        parse_sampling(self.params)
+        check_vocabulary(parse_sampling(self.params), vocab_size)
 
     def state(self, tokenizer, max_context: int, eos_ids: frozenset[int] | None = None) -> RequestState:
         """The request's state on the replica that runs it now."""

@@ -53,12 +53,19 @@ def process_logits(
     temperature: torch.Tensor,  # [N]; 0 = greedy
     top_k: torch.Tensor,  # [N] int; <= 0 keeps all
     top_p: torch.Tensor,  # [N]; 1 keeps all
+    min_p: torch.Tensor | None = None,  # [N]; 0 keeps all
 ) -> torch.Tensor:
-    """The distribution each row samples from: [N, V] float32 probabilities (one-hot for greedy rows)."""
+    """The distribution each row samples from: [N, V] float32 probabilities (one-hot for greedy rows).
+    After temperature, min_p and then top-k and top-p truncate (vLLM's order)."""
     logits = logits.float()
     n, v = logits.shape
     greedy = temperature <= 0
     scaled = logits / torch.where(greedy, 1.0, temperature).unsqueeze(-1)
+    if min_p is not None and bool((min_p > 0).any()):
+        # a token stays when its probability is at least min_p times the top one's: in logits,
+        # when it is at most log(1 / min_p) below the top logit
+        floor = scaled.max(-1, keepdim=True).values + torch.log(min_p.clamp(min=1e-30)).unsqueeze(-1)
+        scaled = scaled.masked_fill((scaled < floor) & (min_p > 0).unsqueeze(-1), float("-inf"))
     needs_sort = ((top_k > 0) & (top_k < v)) | (top_p < 1.0)
     if bool(needs_sort.any()):
         scaled = _truncate(scaled, top_k, top_p)

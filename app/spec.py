@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from app.logits import LogitRules
 from app.params import SamplingParams
 from app.runner import ModelRunner, SeqInput
 from app.sampling import DRAFT, EMIT, process_logits, rejection_sample, sample, uniform
@@ -24,6 +25,7 @@ class ProposeItem:
     seed: int
     trace: dict | None = None  # W3C trace context of the caller's span, when tracing
     guess: bool = False  # also draft token k+1: the draft's guess of the target's bonus token
+    rules: LogitRules | None = None  # the request's history-dependent logit rules (app/logits.py)
 
 
 @dataclass
@@ -66,6 +68,8 @@ class VerifyItem:
     trace: dict | None = None  # W3C trace context of the caller's span, when tracing
     prefill: bool = False  # a prompt chunk: compute and keep its KV, emit nothing
     new_tokens: int = 0  # positions it may compute (uncached context + draft), for the forward's token budget
+    rules: LogitRules | None = None  # the request's history-dependent logit rules (app/logits.py)
+    score_from: int | None = None  # a prompt chunk starting here whose tokens' logprobs are wanted
 
 
 def verify_tokens(item: VerifyItem) -> int:
@@ -81,14 +85,32 @@ class Verdict:
     accepted: int
     drafted: int
     stats: dict = field(default_factory=dict)
+    logprobs: list[tuple] | None = None  # per token, when asked: (logprob, [(id, logprob), ...] most likely)
+    prompt_logprobs: list[tuple] | None = None  # a scored prompt chunk's tokens, as logprobs
+
+
+LOGPROB_FLOOR = -9999.0  # what an impossible token's log-probability reads as (JSON has no -inf)
+
+
+def token_logprobs(logprobs: torch.Tensor, tokens: list[int], top: int) -> list[tuple]:
+    """(logprob of tokens[j], its `top` most likely alternatives) for each row j of logprobs [N, V]."""
+    logprobs = logprobs.clamp(min=LOGPROB_FLOOR)
+    chosen = logprobs.gather(-1, torch.tensor(tokens, device=logprobs.device).unsqueeze(-1)).squeeze(-1).tolist()
+    if top:
+        values, ids = logprobs.topk(min(top, logprobs.shape[-1]), dim=-1)
+        alternatives = [list(zip(i, v)) for i, v in zip(ids.tolist(), values.tolist())]
+    else:
+        alternatives = [[] for _ in tokens]
+    return list(zip(chosen, alternatives))
 
 
 def _sampling_tensors(params: list[SamplingParams], device: torch.device, repeat: int = 1):
-    """(temperature, top_k, top_p) as [N * repeat] tensors on `device` (the logits')."""
+    """(temperature, top_k, top_p, min_p) as [N * repeat] tensors on `device` (the logits')."""
     t = torch.tensor([p.temperature for p in params], device=device).repeat_interleave(repeat)
     k = torch.tensor([p.top_k for p in params], device=device).repeat_interleave(repeat)
     p_ = torch.tensor([p.top_p for p in params], device=device).repeat_interleave(repeat)
-    return t, k, p_
+    m = torch.tensor([p.min_p for p in params], device=device).repeat_interleave(repeat)
+    return t, k, p_, m
 
 
 def _truncate_top_n(probs: torch.Tensor, top_n: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -105,8 +127,8 @@ def _draft_step(logits: torch.Tensor, items: list[ProposeItem], positions: torch
     if all(it.sampling.greedy for it in items):  # q is one-hot at the argmax: nothing to sample
         tokens = logits.argmax(-1)
         return tokens, tokens.unsqueeze(-1), torch.ones(len(items), 1, device=device)
-    temperature, top_k, top_p = _sampling_tensors([it.sampling for it in items], device)
-    q_ids, q_probs = _truncate_top_n(process_logits(logits, temperature, top_k, top_p), top_n)
+    q_ids, q_probs = _truncate_top_n(process_logits(logits, *_sampling_tensors([it.sampling for it in items], device)),
+                                     top_n)
     seeds = torch.tensor([it.seed for it in items], device=device)
     col = sample(q_probs, uniform(seeds, positions, DRAFT))
     tokens = q_ids.gather(-1, col.unsqueeze(-1)).squeeze(-1)
@@ -126,6 +148,16 @@ def _guess(logits: torch.Tensor, items: list[ProposeItem], positions: torch.Tens
     return sample(q, uniform(seeds, positions, EMIT))
 
 
+def _ruled(logits: torch.Tensor, items: list[ProposeItem], drafted: list[torch.Tensor]) -> torch.Tensor:
+    """The draft's next-token logits [B, V] under each request's logit rules, given its context and
+    the tokens drafted so far (`drafted`: one [B] tensor per step): q processed as the target's p is."""
+    if not any(it.rules for it in items):
+        return logits
+    so_far = torch.stack(drafted, 1).tolist() if drafted else [[] for _ in items]
+    return torch.cat([it.rules.apply(logits[i : i + 1], it.token_ids + so_far[i]) if it.rules else logits[i : i + 1]
+                      for i, it in enumerate(items)])
+
+
 def propose(runner: ModelRunner, items: list[ProposeItem], top_n: int = 32) -> list[Proposal]:
     """Draft up to k tokens for every item in one batch: one forward per draft step."""
     live = [i for i, it in enumerate(items) if it.k > 0]
@@ -141,6 +173,7 @@ def propose(runner: ModelRunner, items: list[ProposeItem], top_n: int = 32) -> l
     tokens, ids, probs = [], [], []
     guess_step = torch.tensor([it.k if it.guess else -1 for it in batch_items], device=logits.device)
     for step in range(steps):
+        logits = _ruled(logits, batch_items, tokens)
         t, qi, qp = _draft_step(logits, batch_items, positions + step, top_n)
         if bool((guess_step == step).any()):
             t = torch.where(guess_step == step, _guess(logits, batch_items, positions + step), t)
@@ -159,37 +192,58 @@ def propose(runner: ModelRunner, items: list[ProposeItem], top_n: int = 32) -> l
 
 def verify(runner: ModelRunner, items: list[VerifyItem]) -> list[Verdict]:
     """One target forward over every item's K+1 positions, rejection sampling, KV rollback.
-    Prompt chunks (prefill items) ride in the same forward, keep all their positions and emit nothing."""
+    Prompt chunks (prefill items) ride in the same forward, keep all their positions and emit nothing
+    (a scored chunk: the logprobs of its tokens)."""
     rounds = [it for it in items if not it.prefill]
     chunks = [it for it in items if it.prefill]
     batch = runner.open([SeqInput(it.seq_id, it.token_ids + it.proposal.tokens, len(it.proposal.tokens) + 1)
-                         for it in rounds] + [SeqInput(it.seq_id, it.token_ids) for it in chunks])
+                         for it in rounds] + [SeqInput(it.seq_id, it.token_ids, _scored_rows(it)) for it in chunks])
     kept_chunks = [len(it.token_ids) for it in chunks]
+    scored = iter([_prompt_logprobs(lg, it) for lg, it in zip(batch.logits[len(rounds):], chunks)])
     if rounds:
         verdicts = iter(_verdicts(batch, rounds, runner.vocab_size, kept_chunks))
     else:
         batch.close(kept_chunks)
-    done = Verdict([], 0, 0, {"batch_size": len(items)})
-    return [done if it.prefill else next(verdicts) for it in items]
+    stats = {"batch_size": len(items)}
+    return [Verdict([], 0, 0, stats, prompt_logprobs=next(scored)) if it.prefill else next(verdicts) for it in items]
+
+
+def _scored_rows(chunk: VerifyItem) -> int:
+    """Logits a prompt chunk needs: its last position's alone, or for a scored chunk from `score_from`
+    on, every position from the one before its first token (whose logit scores that token)."""
+    if chunk.score_from is None:
+        return 1
+    return len(chunk.token_ids) - max(chunk.score_from - 1, 0)
+
+
+def _prompt_logprobs(logits: torch.Tensor, chunk: VerifyItem) -> list[tuple] | None:
+    """A scored chunk's tokens (the prompt's first token excepted: nothing precedes it) as raw logprobs."""
+    if chunk.score_from is None:
+        return None
+    first = max(chunk.score_from, 1)
+    return token_logprobs(torch.log_softmax(logits[:-1], -1), chunk.token_ids[first:],
+                          chunk.sampling.prompt_logprobs or 0)
 
 
 def _verdicts(batch, items: list[VerifyItem], vocab_size: int, kept_chunks: list[int]) -> list[Verdict]:
     """The verdicts of a batch opened with `items`' rounds first, then prompt chunks; closes the batch:
     every round keeps what it accepted, every chunk all its positions (`kept_chunks`)."""
-    logits = batch.logits[: len(items)]
+    raw = batch.logits[: len(items)]
+    # each position's logits under its request's rules, given the tokens before it (draft tokens included)
+    logits = [it.rules.apply(lg, it.token_ids, it.proposal.tokens) if it.rules else lg for lg, it in zip(raw, items)]
     ks = [len(it.proposal.tokens) for it in items]
     kmax = max(ks)
     if all(it.sampling.greedy for it in items):
         verdicts = _greedy_verdicts(logits, items)
         batch.close([len(it.token_ids) + vd.accepted for it, vd in zip(items, verdicts)] + kept_chunks)
-        return verdicts
+        return _with_logprobs(verdicts, items, raw, logits, None)
     # everything on the target's device: its logits never cross to the host, only the verdicts' ids do
     b, v, device = len(items), vocab_size, logits[0].device
     padded = torch.zeros(b, kmax + 1, v, device=device)
     for i, lg in enumerate(logits):
         padded[i, : lg.shape[0]] = lg
-    temperature, top_k, top_p = _sampling_tensors([it.sampling for it in items], device, kmax + 1)
-    p = process_logits(padded.view(-1, v), temperature, top_k, top_p).view(b, kmax + 1, v)
+    p = process_logits(padded.view(-1, v), *_sampling_tensors([it.sampling for it in items], device, kmax + 1))
+    p = p.view(b, kmax + 1, v)
 
     m = max(it.proposal.q_ids.shape[-1] for it in items)
     draft = torch.zeros(b, kmax, dtype=torch.long, device=device)
@@ -212,7 +266,28 @@ def _verdicts(batch, items: list[VerifyItem], vocab_size: int, kept_chunks: list
     )
     accepted, tokens = accepted.tolist(), tokens.tolist()
     batch.close([len(it.token_ids) + a for it, a in zip(items, accepted)] + kept_chunks)
-    return [Verdict(tokens[i][: accepted[i] + 1], accepted[i], ks[i], {"batch_size": b}) for i in range(b)]
+    verdicts = [Verdict(tokens[i][: accepted[i] + 1], accepted[i], ks[i], {"batch_size": b}) for i in range(b)]
+    return _with_logprobs(verdicts, items, raw, logits, p)
+
+
+def _with_logprobs(verdicts: list[Verdict], items: list[VerifyItem], raw: list[torch.Tensor],
+                   ruled: list[torch.Tensor], p: torch.Tensor | None) -> list[Verdict]:
+    """Attach the logprobs of the emitted tokens to the verdicts of requests that asked for them, from
+    the distribution at each token's position: the model's own (raw), or the processed one it was
+    sampled from (a greedy row's: its logits under the rules, before temperature)."""
+    for i, (vd, it) in enumerate(zip(verdicts, items)):
+        top = it.sampling.logprobs
+        if top is None:
+            continue
+        n = len(vd.tokens)
+        if it.sampling.logprobs_mode == "raw":
+            logprobs = torch.log_softmax(raw[i][:n], -1)
+        elif it.sampling.greedy:
+            logprobs = torch.log_softmax(ruled[i][:n], -1)
+        else:
+            logprobs = torch.log(p[i, :n])
+        vd.logprobs = token_logprobs(logprobs, vd.tokens, top)
+    return verdicts
 
 
 def _greedy_verdicts(logits: list[torch.Tensor], items: list[VerifyItem]) -> list[Verdict]:
