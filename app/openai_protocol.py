@@ -6,7 +6,7 @@ import uuid
 from typing import Literal
 
 import jinja2
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from app.errors import InvalidRequestError
 from app.params import MAX_SEED, MIN_SEED, SamplingParams, SpeculationParams
@@ -18,9 +18,7 @@ HARMLESS_FIELDS = frozenset({"user", "metadata", "store", "service_tier", "safet
 # Fields of OpenAI's API, and vLLM's extensions, that this server does not honour yet: accepted only
 # at a value that changes nothing, refused otherwise with a 400 naming them; never silently ignored.
 NO_OP_VALUES: dict[str, tuple] = {
-    "best_of": (1,), "echo": (False,), "logprobs": (False,), "top_logprobs": (0,),
-    "presence_penalty": (0, 0.0), "frequency_penalty": (0, 0.0), "repetition_penalty": (1, 1.0),
-    "min_p": (0, 0.0), "logit_bias": ({},), "min_tokens": (0,),
+    "best_of": (1,), "echo": (False,),
     "response_format": ({"type": "text"},), "tools": ([],), "tool_choice": ("none", "auto"),
     "parallel_tool_calls": (True, False), "skip_special_tokens": (True,), "include_stop_str_in_output": (False,),
     "suffix": ("",),
@@ -72,6 +70,17 @@ class _Common(BaseModel):
     stream_options: StreamOptions | None = Field(None, description="Streaming options.")
     ignore_eos: bool = Field(False, description="Extension: keep generating past end-of-sequence.")
     stop_token_ids: list[int] = Field(default_factory=list, description="Extension: token ids that end generation.")
+    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0, description="Penalise tokens already in the output.")
+    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0, description="Penalise tokens by their output count.")
+    repetition_penalty: float = Field(1.0, gt=0.0, le=10.0, description="Extension: penalise prompt and output "
+                                                                         "tokens multiplicatively (1 = off).")
+    min_p: float = Field(0.0, ge=0.0, le=1.0, description="Extension: drop tokens below min_p x the top one.")
+    min_tokens: int = Field(0, ge=0, description="Extension: no stop before this many tokens.")
+    logit_bias: dict[str, float] = Field(default_factory=dict, description="Token id (as a string) -> bias in "
+                                                                           "[-100, 100].")
+    logprobs_mode: Literal["raw", "processed"] = Field(
+        "raw", description="Extension: logprobs of the model's distribution (raw) or of the processed one "
+                           "tokens are sampled from.")
     speculation: SpeculationParams | None = Field(None, description="Extension: K or speculation off.")
 
     @field_validator("stop")
@@ -82,10 +91,30 @@ class _Common(BaseModel):
             raise ValueError("stop takes up to 4 non-empty strings")
         return stops
 
+    @field_validator("logit_bias")
+    @classmethod
+    def _bias_keys(cls, v):
+        if any(not k.isdigit() for k in v):
+            raise ValueError("logit_bias keys must be token ids")
+        return v
+
+    def top_logprobs_wanted(self) -> int | None:
+        """Alternatives per output token, or None: no logprobs (each endpoint reads its own fields)."""
+        return None
+
+    def prompt_logprobs_wanted(self) -> int | None:
+        """Alternatives per prompt token (completions with echo and logprobs), or None."""
+        return None
+
     def sampling(self, max_tokens: int, default_spec: SpeculationParams) -> SamplingParams:
         return SamplingParams(max_tokens=max_tokens, temperature=self.temperature, top_p=self.top_p,
                               top_k=self.top_k, stop=self.stop or [], seed=self.seed, ignore_eos=self.ignore_eos,
-                              stop_token_ids=self.stop_token_ids,
+                              stop_token_ids=self.stop_token_ids, presence_penalty=self.presence_penalty,
+                              frequency_penalty=self.frequency_penalty, repetition_penalty=self.repetition_penalty,
+                              min_p=self.min_p, min_tokens=self.min_tokens,
+                              logit_bias={int(k): b for k, b in self.logit_bias.items()},
+                              logprobs=self.top_logprobs_wanted(), logprobs_mode=self.logprobs_mode,
+                              prompt_logprobs=self.prompt_logprobs_wanted(),
                               speculation=self.speculation or default_spec)
 
 
@@ -94,6 +123,25 @@ class CompletionRequest(_Common):
 
     prompt: str | list[int] | list[str] | list[list[int]] = Field(
         description="Text or token ids; or a list of either (a batch: n choices per prompt, in order).")
+    logprobs: int | None = Field(None, ge=0, le=20, description="Log-probabilities of each token and of this "
+                                                                "many alternatives.")
+    echo: bool = Field(False, description="Return the prompt before the completion (with logprobs: the prompt's "
+                                          "tokens' too, the first one's null).")
+
+    @field_validator("logprobs", mode="before")
+    @classmethod
+    def _logprobs(cls, v):
+        if v is False:
+            return None  # what some clients send for "none"
+        if v is True:
+            raise ValueError("logprobs takes the number of alternatives per token (0-20)")
+        return v
+
+    def top_logprobs_wanted(self) -> int | None:
+        return self.logprobs
+
+    def prompt_logprobs_wanted(self) -> int | None:
+        return self.logprobs if self.echo else None
 
     @field_validator("prompt")
     @classmethod
@@ -149,6 +197,18 @@ class ChatCompletionRequest(_Common):
 
     messages: list[ChatMessage] = Field(min_length=1, description="The conversation so far.")
     max_completion_tokens: int | None = Field(None, ge=1, description="Newer name of max_tokens.")
+    logprobs: bool = Field(False, description="Log-probabilities of each output token.")
+    top_logprobs: int | None = Field(None, ge=0, le=20, description="With logprobs: this many alternatives per "
+                                                                    "token.")
+
+    @model_validator(mode="after")
+    def _top_needs_logprobs(self):
+        if self.top_logprobs and not self.logprobs:
+            raise ValueError("top_logprobs needs logprobs: true")
+        return self
+
+    def top_logprobs_wanted(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
 
 
 def default_max_tokens(chat: bool, room: int, completions_default: int, cap: int) -> int:
@@ -212,18 +272,20 @@ def usage_body(prompt_tokens: int, completion_tokens: int) -> dict:
             "total_tokens": prompt_tokens + completion_tokens}
 
 
-def choice_body(index: int, text: str, finish: str | None, chat: bool, delta: bool) -> dict:
+def choice_body(index: int, text: str, finish: str | None, chat: bool, delta: bool,
+                logprobs: dict | None = None) -> dict:
     if chat:
         return {"index": index, ("delta" if delta else "message"): {"role": "assistant", "content": text},
-                "finish_reason": finish, "logprobs": None}
-    return {"index": index, "text": text, "finish_reason": finish, "logprobs": None}
+                "finish_reason": finish, "logprobs": logprobs}
+    return {"index": index, "text": text, "finish_reason": finish, "logprobs": logprobs}
 
 
 def completion_body(rid: str, model: str, text: str | list[dict], finish: str | None, usage: dict | None,
-                    speculation: dict | None, chat: bool, delta: bool, index: int = 0) -> dict:
+                    speculation: dict | None, chat: bool, delta: bool, index: int = 0,
+                    logprobs: dict | None = None) -> dict:
     """A completion (or one streamed chunk of it), text or chat flavour: one choice (`text`,
-    `finish`, `index`), or the given list of choice_body()s."""
-    choices = text if isinstance(text, list) else [choice_body(index, text, finish, chat, delta)]
+    `finish`, `index`, `logprobs`), or the given list of choice_body()s."""
+    choices = text if isinstance(text, list) else [choice_body(index, text, finish, chat, delta, logprobs)]
     obj = ("chat.completion.chunk" if delta else "chat.completion") if chat else "text_completion"
     body = {"id": rid, "object": obj, "created": int(time.time()), "model": model, "choices": choices}
     if usage is not None:
@@ -236,3 +298,57 @@ def completion_body(rid: str, model: str, text: str | list[dict], finish: str | 
 def sse_event(body: dict) -> str:
     """One server-sent event carrying a JSON body."""
     return f"data: {json.dumps(body)}\n\n"
+
+
+class ChoiceView:
+    """One choice's generation chunks as OpenAI's body reads them: the text, with the prompt before it
+    when echoed, and the logprobs object when asked for (completions': tokens, token_logprobs,
+    top_logprobs, text_offset; chat's: content, a list of tokens with their alternatives)."""
+
+    def __init__(self, tokenizer, chat: bool, logprobs: bool, echo: str | None = None,
+                 prompt_ids: list[int] | None = None):
+        self.tokenizer, self.chat, self.logprobs = tokenizer, chat, logprobs
+        self.echo, self.prompt_ids = echo, prompt_ids or []
+        self.offset = 0  # characters of this choice's text so far: the next token's text_offset
+
+    def render(self, chunk: dict) -> tuple[str, dict | None]:
+        """A chunk's text and logprobs (None when not asked for); the first chunk carries the echo."""
+        text, ids, entries = chunk.get("text", ""), list(chunk.get("token_ids", ())), chunk.get("logprobs")
+        if self.echo is not None:
+            text, self.echo = self.echo + text, None
+            if self.logprobs:  # the prompt's tokens first: the first has nothing before it to score it
+                ids = self.prompt_ids + ids
+                entries = [None] + list(chunk.get("prompt_logprobs") or []) + list(entries or [])
+        if not self.logprobs:
+            return text, None
+        body = self._chat(ids, entries or []) if self.chat else self._completion(ids, entries or [])
+        self.offset += len(text)
+        return text, body
+
+    def _piece(self, token: int) -> str:
+        return self.tokenizer.decode([token], skip_special_tokens=False, clean_up_tokenization_spaces=False)
+
+    def _completion(self, ids: list[int], entries: list) -> dict:
+        pieces = [self._piece(t) for t in ids]
+        offsets, at = [], self.offset
+        for piece in pieces:
+            offsets.append(at)
+            at += len(piece)
+        return {"tokens": pieces, "token_logprobs": [e[0] if e else None for e in entries],
+                "top_logprobs": [{self._piece(i): lp for i, lp in e[1]} if e else None for e in entries],
+                "text_offset": offsets}
+
+    def _chat(self, ids: list[int], entries: list) -> dict:
+        def token(t: int, lp: float) -> dict:
+            piece = self._piece(t)
+            return {"token": piece, "logprob": lp, "bytes": list(piece.encode())}
+        return {"content": [{**token(t, e[0]), "top_logprobs": [token(i, lp) for i, lp in e[1]]}
+                            for t, e in zip(ids, entries)]}
+
+
+def join_logprobs(parts: list[dict | None]) -> dict | None:
+    """Several chunks' logprobs objects (one choice's, in order) as one."""
+    parts = [p for p in parts if p is not None]
+    if not parts:
+        return None
+    return {key: [x for p in parts for x in p[key]] for key in parts[0]}

@@ -2,7 +2,7 @@
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator
 
 from app.errors import InvalidRequestError
 
@@ -102,11 +102,12 @@ class SamplingParams(BaseModel):
             raise ValueError("logit_bias maps token ids (>= 0) to biases in [-100, 100]")
         return v
 
-    @model_validator(mode="after")
-    def _consistent(self):
-        if self.min_tokens > self.max_tokens:
-            raise ValueError(f"min_tokens ({self.min_tokens}) must be <= max_tokens ({self.max_tokens})")
-        return self
+    @field_validator("min_tokens")
+    @classmethod
+    def _at_most_max_tokens(cls, v, info: ValidationInfo):
+        if "max_tokens" in info.data and v > info.data["max_tokens"]:
+            raise ValueError(f"min_tokens ({v}) must be <= max_tokens ({info.data['max_tokens']})")
+        return v
 
     @property
     def greedy(self) -> bool:

@@ -24,10 +24,11 @@ from transformers import AutoTokenizer
 
 from app import telemetry
 from app.errors import InvalidRequestError
-from app.openai_protocol import (MAX_CHOICES, ChatCompletionRequest, CompletionRequest, chat_prompt_ids,
-                                 choice_body, choice_seed, combined_speculation, completion_body, default_max_tokens,
-                                 error_body, new_id, normalise_body, sse_event, usage_body)
-from app.params import SpeculationParams
+from app.openai_protocol import (MAX_CHOICES, ChatCompletionRequest, ChoiceView, CompletionRequest,
+                                 chat_prompt_ids, choice_body, choice_seed, combined_speculation, completion_body,
+                                 default_max_tokens, error_body, join_logprobs, new_id, normalise_body, sse_event,
+                                 usage_body)
+from app.params import SamplingParams, SpeculationParams, check_vocabulary
 from deployments.config import AppConfig
 from deployments.metrics import VLLMSpecDecodeCounters
 from deployments.router import Router
@@ -247,15 +248,16 @@ class Ingress:
         if spec is not None and spec.pinned_k() is not None and spec.pinned_k() > self.cfg.speculation.k_max:
             raise APIError(400, f"speculation.num_tokens must be <= {self.cfg.speculation.k_max}",
                            "invalid_request_error", "speculation.num_tokens")
-        jobs = []  # (prompt ids, params) of each choice, in OpenAI's order: n choices per prompt
-        for ids in prompts:
-            try:
-                params = body.sampling(self._max_tokens(body, len(ids), chat), self.default_spec).model_dump()
-            except ValidationError as e:
-                raise invalid(e.errors()) from None
+        jobs, views = [], []  # (prompt ids, params) of each choice, in OpenAI's order: n choices per prompt
+        echo = not chat and body.echo
+        for i, ids in enumerate(prompts):
+            sampling = self._sampling(body, len(ids), chat)
+            params = sampling.model_dump()
             for j in range(body.n):
                 seed = params["seed"]
                 jobs.append((ids, {**params, "seed": choice_seed(seed, j) if seed is not None else None}))
+                echoed = (p if isinstance(p := body.prompts()[i], str) else self.tokenizer.decode(ids)) if echo else None
+                views.append(ChoiceView(self.tokenizer, chat, sampling.logprobs is not None, echoed, ids))
         rid = new_id("chatcmpl" if chat else "cmpl")
         streams = [self.router.generate(uuid.uuid4().hex, ids, params, telemetry.carrier(span)) for ids, params in jobs]
         deadline = asyncio.get_running_loop().time() + self.cfg.limits.request_timeout_s
@@ -271,32 +273,43 @@ class Ingress:
             include_usage = bool(options and options.include_usage)
             # as vLLM: usage on every chunk when both are asked for
             continuous = include_usage and options.continuous_usage_stats
-            return StreamingResponse(self._sse(rid, firsts, streams, deadline, chat, include_usage, prompt_tokens,
-                                               continuous, span), media_type="text/event-stream")
+            return StreamingResponse(self._sse(rid, firsts, streams, views, deadline, chat, include_usage,
+                                               prompt_tokens, continuous, span), media_type="text/event-stream")
         try:
-            done = await _all_or_stop([self._rest(s, f, deadline) for s, f in zip(streams, firsts)], streams)
+            done = await _all_or_stop([self._rest(s, f, v, deadline) for s, f, v in zip(streams, firsts, views)],
+                                      streams)
         finally:
             await _stop([], streams)
-        usage = usage_body(prompt_tokens, sum(last["usage"]["completion_tokens"] for _, last in done))
-        if len(done) == 1:
-            text, last = done[0]
-            return completion_body(rid, self.model_name, text, last["finish_reason"], usage, last["speculation"],
-                                   chat, delta=False)
-        choices = [choice_body(i, text, last["finish_reason"], chat, delta=False)
-                   for i, (text, last) in enumerate(done)]
+        usage = usage_body(prompt_tokens, sum(last["usage"]["completion_tokens"] for _, last, _ in done))
+        choices = [choice_body(i, text, last["finish_reason"], chat, False, logprobs)
+                   for i, (text, last, logprobs) in enumerate(done)]
         return completion_body(rid, self.model_name, choices, None, usage,
-                               combined_speculation([last["speculation"] for _, last in done]), chat, delta=False)
+                               combined_speculation([last["speculation"] for _, last, _ in done]), chat, delta=False)
 
-    async def _rest(self, stream, first: dict, deadline: float) -> tuple[str, dict]:
-        """A generation's whole text and its last chunk (finish_reason, usage, speculation)."""
-        text, last = first.get("text", ""), first
-        while "finish_reason" not in last:
+    def _sampling(self, body, prompt_len: int, chat: bool) -> SamplingParams:
+        """A prompt's sampling parameters, checked against the model (a 400 naming what is wrong)."""
+        try:
+            sampling = body.sampling(self._max_tokens(body, prompt_len, chat), self.default_spec)
+            check_vocabulary(sampling, len(self.tokenizer))
+        except ValidationError as e:
+            raise invalid(e.errors()) from None
+        except InvalidRequestError as e:
+            raise APIError(400, str(e), "invalid_request_error", e.param) from None
+        return sampling
+
+    async def _rest(self, stream, first: dict, view: ChoiceView, deadline: float) -> tuple[str, dict, dict | None]:
+        """A generation's whole text, its last chunk (finish_reason, usage, speculation) and its logprobs."""
+        last, texts, logprobs = first, [], []
+        while True:
+            text, lp = view.render(last)
+            texts.append(text), logprobs.append(lp)
+            if "finish_reason" in last:
+                break
             last = await self._next(stream, deadline)
             if last.get("error"):
                 raise APIError.from_router(last["error"])
-            text += last.get("text", "")
         self.spec_counters.count(last["speculation"])
-        return text, last
+        return "".join(texts), last, join_logprobs(logprobs)
 
     async def _next(self, stream, deadline: float) -> dict:
         """The generation's next chunk, within the request's deadline (past it the generation is stopped)."""
@@ -313,8 +326,8 @@ class Ingress:
         except StopAsyncIteration:
             raise APIError(503, "generation ended without a result", "service_unavailable") from None
 
-    async def _sse(self, rid: str, firsts: list[dict], streams: list, deadline: float, chat: bool,
-                   include_usage: bool, prompt_tokens: int, continuous: bool, span=None):
+    async def _sse(self, rid: str, firsts: list[dict], streams: list, views: list[ChoiceView], deadline: float,
+                   chat: bool, include_usage: bool, prompt_tokens: int, continuous: bool, span=None):
         """The generations as one stream of server-sent events, each chunk naming its choice's index;
         with `continuous`, every chunk carries the usage so far."""
         queue: asyncio.Queue = asyncio.Queue()
@@ -339,11 +352,12 @@ class Ingress:
                     break
                 finish = chunk.get("finish_reason")
                 completion[index] += len(chunk.get("token_ids", ()))
-                if chunk.get("text") or finish:
+                text, logprobs = views[index].render(chunk)
+                if text or finish or (logprobs and any(logprobs.values())):
                     spec = chunk.get("speculation") if finish and not include_usage else None
                     usage = usage_body(prompt_tokens, sum(completion)) if continuous else None
-                    yield sse_event(completion_body(rid, self.model_name, chunk.get("text", ""), finish, usage, spec,
-                                                 chat, delta=True, index=index))
+                    yield sse_event(completion_body(rid, self.model_name, text, finish, usage, spec,
+                                                 chat, delta=True, index=index, logprobs=logprobs))
                 if finish:
                     finals[index] = chunk
                     self.spec_counters.count(chunk["speculation"])

@@ -2,11 +2,12 @@
 honour (refused by name unless they change nothing), unknown fields, any int64 seed."""
 
 import pytest
+from pydantic import ValidationError
 
 from app.engine import Engine
 from app.errors import InvalidRequestError
-from app.openai_protocol import (ChatCompletionRequest, CompletionRequest, choice_seed, combined_speculation,
-                                 normalise_body)
+from app.openai_protocol import (ChatCompletionRequest, ChoiceView, CompletionRequest, choice_seed,
+                                 combined_speculation, join_logprobs, normalise_body)
 from app.params import SpeculationParams, parse_sampling
 from app.runner import ModelRunner
 from tests.conftest import blend
@@ -40,14 +41,59 @@ def test_harmless_fields_are_accepted_and_no_op_values_too():
 
 
 @pytest.mark.parametrize("field, value", [
-    ("best_of", 3), ("echo", True), ("logprobs", True), ("logprobs", 1), ("logprobs", 0),
-    ("top_logprobs", 5), ("presence_penalty", 0.5), ("frequency_penalty", -1), ("repetition_penalty", 1.2),
-    ("min_p", 0.1), ("logit_bias", {"5": 10}), ("min_tokens", 4),
-    ("response_format", {"type": "json_object"}), ("suffix", "tail"),
+    ("best_of", 3), ("top_logprobs", 5), ("response_format", {"type": "json_object"}), ("suffix", "tail"),
 ])
 def test_fields_we_do_not_honour_are_refused_by_name(field, value):
     err = refused(**{field: value})
     assert err.param == field and field in str(err)
+
+
+def test_chat_echo_is_refused_by_name():
+    assert refused(ChatCompletionRequest, echo=True).param == "echo"
+
+
+def test_sampling_controls_and_logprobs_reach_the_sampling_params():
+    spec = SpeculationParams()
+    sp = completion(presence_penalty=0.5, frequency_penalty=-1, repetition_penalty=1.2, min_p=0.1,
+                    logit_bias={"5": 10, "7": -100}, min_tokens=4, logprobs=2, echo=True,
+                    logprobs_mode="processed").sampling(16, spec)
+    assert (sp.presence_penalty, sp.frequency_penalty, sp.repetition_penalty, sp.min_p, sp.min_tokens) == \
+        (0.5, -1.0, 1.2, 0.1, 4)
+    assert sp.logit_bias == {5: 10.0, 7: -100.0} and sp.logprobs == 2 and sp.prompt_logprobs == 2
+    assert sp.logprobs_mode == "processed"
+    assert completion(logprobs=0).sampling(16, spec).prompt_logprobs is None  # scored only when echoed
+    assert completion(logprobs=False).sampling(16, spec).logprobs is None
+    chat = {"model": "target", "messages": [{"role": "user", "content": "hi"}]}
+    assert ChatCompletionRequest.model_validate({**chat, "logprobs": True, "top_logprobs": 3}).sampling(
+        16, spec).logprobs == 3
+    assert ChatCompletionRequest.model_validate({**chat, "logprobs": True}).sampling(16, spec).logprobs == 0
+    assert ChatCompletionRequest.model_validate(chat).sampling(16, spec).logprobs is None
+    for bad in ({**chat, "top_logprobs": 2}, {"model": "target", "prompt": "x", "logprobs": True},
+                {"model": "target", "prompt": "x", "logit_bias": {"five": 1}}):
+        model_cls = ChatCompletionRequest if "messages" in bad else CompletionRequest
+        with pytest.raises(ValidationError):
+            model_cls.model_validate(bad)
+
+
+def test_a_choice_renders_echo_and_logprobs_as_openai_does(tokenizer):
+    prompt = tokenizer("ab")["input_ids"]
+    out = tokenizer("cd", add_special_tokens=False)["input_ids"]
+    entries = [(-0.5, [(out[0], -0.5), (3, -1.5)]), (-0.25, [(out[1], -0.25)])]
+    view = ChoiceView(tokenizer, chat=False, logprobs=True, echo="ab", prompt_ids=prompt)
+    text, lp = view.render({"text": "c", "token_ids": out[:1], "logprobs": entries[:1],
+                            "prompt_logprobs": [(-2.0, [(5, -1.0)])] * (len(prompt) - 1)})
+    assert text == "abc" and lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None
+    assert lp["tokens"] == [tokenizer.decode([t]) for t in prompt + out[:1]]
+    assert lp["token_logprobs"][1:] == [-2.0] * (len(prompt) - 1) + [-0.5]
+    text2, lp2 = view.render({"text": "d", "token_ids": out[1:], "logprobs": entries[1:]})
+    assert text2 == "d" and lp2["text_offset"] == [len(text)]  # offsets run on across chunks
+    assert join_logprobs([lp, lp2])["token_logprobs"][-2:] == [-0.5, -0.25]
+    chat = ChoiceView(tokenizer, chat=True, logprobs=True)
+    _, body = chat.render({"text": "cd", "token_ids": out, "logprobs": entries})
+    assert [c["logprob"] for c in body["content"]] == [-0.5, -0.25]
+    assert body["content"][0]["top_logprobs"][1] == {"token": tokenizer.decode([3]), "logprob": -1.5,
+                                                     "bytes": list(tokenizer.decode([3]).encode())}
+    assert ChoiceView(tokenizer, chat=False, logprobs=False, echo="ab").render({"text": "c"}) == ("abc", None)
 
 
 def test_tools_are_refused_with_the_reason():

@@ -29,9 +29,15 @@ def app(pair):
 
 
 @pytest.fixture(scope="module")
-def reference(pair):
+def local(pair):
+    """The target in process, alone: what the served app must reproduce."""
+    return Engine.from_pretrained(pair[0])
+
+
+@pytest.fixture(scope="module")
+def reference(local):
     """In-process target-only greedy output for every prompt."""
-    engine = Engine.from_pretrained(pair[0])
+    engine = local
     params = SamplingParams(temperature=0, max_tokens=N, ignore_eos=True, speculation={"enabled": False})
     return {p: r.text for p, r in zip(PROMPTS, engine.generate(PROMPTS, params))}
 
@@ -91,12 +97,52 @@ def test_a_guidellm_style_stream_gets_usage_on_every_chunk(client):
 
 
 def test_fields_we_do_not_honour_get_a_400_naming_them(app):
-    for field, value in (("presence_penalty", 0.5), ("logprobs", 2), ("frobnicate", 1), ("stop_token_ids", [-1])):
-        r = httpx.post(f"{app}/v1/completions", json={"model": "target", "prompt": "x", field: value}, timeout=30)
+    for field, value in (("best_of", 2), ("response_format", {"type": "json_object"}), ("frobnicate", 1),
+                         ("stop_token_ids", [-1]), ("logit_bias", {"100000": 1}), ("min_tokens", 9)):
+        r = httpx.post(f"{app}/v1/completions", json={"model": "target", "prompt": "x", field: value, "max_tokens": 4},
+                       timeout=30)
         assert r.status_code == 400 and r.json()["error"]["param"] == field, r.text
     r = httpx.post(f"{app}/v1/completions", timeout=30, json={"model": "target", "prompt": "x", "max_tokens": 2,
                                                               "presence_penalty": 0, "logprobs": None, "seed": -5})
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2
+
+
+def test_loglikelihood_as_lm_eval_asks_for_it(client, local):
+    """lm-eval's loglikelihood request: echo, logprobs 1, one token; the prompt's tokens scored by the target."""
+    prompt = PROMPTS[2]
+    r = client.completions.create(model="target", prompt=prompt, max_tokens=1, temperature=0, logprobs=1, echo=True)
+    choice = r.choices[0]
+    want = local.generate(prompt, dict(temperature=0, max_tokens=1, logprobs=1, prompt_logprobs=1))[0]
+    lp = choice.logprobs
+    assert choice.text.startswith(prompt) and len(lp.tokens) == len(want.prompt_token_ids) + 1
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    expected = [e[0] for e in want.prompt_logprobs + want.logprobs]
+    assert lp.token_logprobs[1:] == pytest.approx(expected, abs=1e-4)
+    assert lp.text_offset == sorted(lp.text_offset) and all(len(t) == 1 for t in lp.top_logprobs[1:])
+
+
+def test_chat_logprobs_stream_a_token_at_a_time_with_alternatives(client, local):
+    chunks = list(client.chat.completions.create(
+        model="target", messages=[{"role": "user", "content": "write"}], max_completion_tokens=10, temperature=0,
+        logprobs=True, top_logprobs=3, stream=True, extra_body=EXTRA))
+    content = [t for c in chunks if c.choices and c.choices[0].logprobs for t in c.choices[0].logprobs.content]
+    assert len(content) == 10
+    assert all(len(t.top_logprobs) == 3 and t.logprob == t.top_logprobs[0].logprob <= 0 for t in content)
+    # each token's text in order (an end-of-sequence token, kept under ignore_eos, shows in the tokens only)
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert "".join(t.token for t in content).replace("</s>", "") == text
+
+
+def test_penalties_and_bias_over_http_are_the_engines(client, local):
+    controls = dict(presence_penalty=0.6, frequency_penalty=0.8, logit_bias={"9": 5.0})
+    extra = dict(EXTRA, repetition_penalty=1.3, min_tokens=3, speculation={"num_tokens": 3})
+    r = client.completions.create(model="target", prompt=PROMPTS[1], max_tokens=N, temperature=0, **controls,
+                                  extra_body=extra)
+    want = local.generate(PROMPTS[1], dict(temperature=0, max_tokens=N, ignore_eos=True, presence_penalty=0.6,
+                                           frequency_penalty=0.8, logit_bias={9: 5.0}, repetition_penalty=1.3,
+                                           min_tokens=3))[0]
+    plain = local.generate(PROMPTS[1], dict(temperature=0, max_tokens=N, ignore_eos=True))[0]
+    assert r.choices[0].text == want.text != plain.text
 
 
 def test_a_batch_of_prompts_gets_one_choice_each_in_order(client, reference):
