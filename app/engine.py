@@ -19,6 +19,7 @@ from app.controller import CostEstimator, KController, KControllerConfig
 from app.driver import DraftPolicy, run_rounds
 from app.errors import InvalidRequestError
 from app.forward_queue import ForwardQueue, in_thread
+from app.grammar import Grammars, grammar_of
 from app.memory import size_kv_budget
 from app.params import SamplingParams, check_vocabulary, parse_sampling
 from app.request import GenerationJob, RequestState
@@ -103,6 +104,7 @@ class Engine:
         self.verifier, self.drafter = target, draft
         self.tokenizer, self.vocab_size, self.max_context = tokenizer, vocab_size, max_context
         self.eos_ids = eos_ids  # None: the tokenizer's
+        self.grammars = Grammars(tokenizer, vocab_size)  # to check requests' grammars (masks are the runners')
         self.k_max = k_max
         self.policy = policy or DraftPolicy()
         self.verify_cost = verify_cost
@@ -134,7 +136,7 @@ class Engine:
                     request_id: str | None = None) -> RequestState:
         """Validate and tokenize one request."""
         params = parse_sampling(params)
-        check_vocabulary(params, self.vocab_size)
+        self.check(params)
         pinned = params.speculation.pinned_k()
         if pinned is not None and pinned > self.k_max:
             raise InvalidRequestError(f"speculation.num_tokens must be <= {self.k_max}", param="speculation.num_tokens")
@@ -146,6 +148,12 @@ class Engine:
                 raise InvalidRequestError(f"prompt token ids must be in [0, {self.vocab_size})", param="prompt")
         return RequestState(request_id or uuid.uuid4().hex, ids, params, self.tokenizer, self.max_context,
                             eos_ids=self.eos_ids)
+
+    def check(self, params: SamplingParams) -> None:
+        """Refuse what the model cannot honour: biases of tokens it lacks, a grammar llguidance cannot compile."""
+        check_vocabulary(params, self.vocab_size)
+        if (grammar := grammar_of(params.response_format)) is not None:
+            self.grammars.check(grammar)
 
     def controller(self, params: SamplingParams) -> KController:
         pinned = params.speculation.pinned_k() if self.drafter else 0
@@ -178,6 +186,7 @@ class Engine:
         """
         job.validate(self.vocab_size)
         state = job.state(self.tokenizer, self.max_context, self.eos_ids)  # a bad job fails here, alone
+        self.check(state.params)
         chunks: asyncio.Queue = asyncio.Queue()
         producer = asyncio.ensure_future(self._produce(job, state, observer, trace_parent, chunks))
         try:

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
+from app.grammar import grammar_of
 from app.params import SamplingParams
 
 
@@ -34,14 +35,15 @@ class LogitRules:
     bias: tuple[tuple[int, float], ...] = ()
     min_tokens: int = 0
     stop_ids: tuple[int, ...] = ()  # what min_tokens holds back: the request's eos and stop ids
+    grammar: str | None = None  # the output's grammar (app/grammar.py), applied by the model's server
 
     @classmethod
     def of(cls, params: SamplingParams, prompt_len: int, stop_ids: frozenset[int]) -> "LogitRules | None":
         rules = cls(prompt_len, params.presence_penalty, params.frequency_penalty, params.repetition_penalty,
                     tuple(sorted(params.logit_bias.items())), params.min_tokens,
-                    tuple(sorted(stop_ids)) if params.min_tokens else ())
+                    tuple(sorted(stop_ids)) if params.min_tokens else (), grammar_of(params.response_format))
         active = (rules.presence or rules.frequency or rules.repetition != 1.0 or rules.bias
-                  or (rules.min_tokens and rules.stop_ids))
+                  or (rules.min_tokens and rules.stop_ids) or rules.grammar)
         return rules if active else None
 
     def apply(self, logits: torch.Tensor, history: Sequence[int], new: Sequence[int] = ()) -> torch.Tensor:

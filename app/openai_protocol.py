@@ -18,8 +18,7 @@ HARMLESS_FIELDS = frozenset({"user", "metadata", "store", "service_tier", "safet
 # Fields of OpenAI's API, and vLLM's extensions, that this server does not honour yet: accepted only
 # at a value that changes nothing, refused otherwise with a 400 naming them; never silently ignored.
 NO_OP_VALUES: dict[str, tuple] = {
-    "best_of": (1,), "echo": (False,),
-    "response_format": ({"type": "text"},), "tools": ([],), "tool_choice": ("none", "auto"),
+    "best_of": (1,), "echo": (False,), "tools": ([],), "tool_choice": ("none", "auto"),
     "parallel_tool_calls": (True, False), "skip_special_tokens": (True,), "include_stop_str_in_output": (False,),
     "suffix": ("",),
 }
@@ -78,6 +77,9 @@ class _Common(BaseModel):
     min_tokens: int = Field(0, ge=0, description="Extension: no stop before this many tokens.")
     logit_bias: dict[str, float] = Field(default_factory=dict, description="Token id (as a string) -> bias in "
                                                                            "[-100, 100].")
+    response_format: dict | None = Field(None, description='{"type": "json_object"} or {"type": "json_schema", '
+                                                           '"json_schema": {"name": ..., "schema": {...}}}: the '
+                                                           'output follows it.')
     logprobs_mode: Literal["raw", "processed"] = Field(
         "raw", description="Extension: logprobs of the model's distribution (raw) or of the processed one "
                            "tokens are sampled from.")
@@ -114,7 +116,7 @@ class _Common(BaseModel):
                               min_p=self.min_p, min_tokens=self.min_tokens,
                               logit_bias={int(k): b for k, b in self.logit_bias.items()},
                               logprobs=self.top_logprobs_wanted(), logprobs_mode=self.logprobs_mode,
-                              prompt_logprobs=self.prompt_logprobs_wanted(),
+                              prompt_logprobs=self.prompt_logprobs_wanted(), response_format=self.response_format,
                               speculation=self.speculation or default_spec)
 
 

@@ -75,7 +75,26 @@ class SamplingParams(BaseModel):
     prompt_logprobs: int | None = Field(None, ge=0, le=20,
                                         description="Log-probabilities of each prompt token after the first (raw), "
                                                     "with this many alternatives.")
+    response_format: dict | None = Field(
+        None, description='OpenAI\'s response_format: {"type": "json_object"} or {"type": "json_schema", '
+                          '"json_schema": {"name": ..., "schema": {...}}}; output then follows it (app/grammar.py).')
     speculation: SpeculationParams = Field(default_factory=SpeculationParams, description="Speculation control.")
+
+    @field_validator("response_format")
+    @classmethod
+    def _format(cls, v):
+        kind = v.get("type") if isinstance(v, dict) else None
+        if v is None or kind == "text":
+            return None
+        if kind == "json_object":
+            return {"type": "json_object"}
+        if kind == "json_schema":
+            spec = v.get("json_schema")
+            schema = spec.get("schema") if isinstance(spec, dict) else None
+            if not isinstance(schema, dict):
+                raise ValueError("json_schema.schema must be a JSON schema (an object)")
+            return {"type": "json_schema", "json_schema": {"name": spec.get("name", "schema"), "schema": schema}}
+        raise ValueError("response_format.type must be text, json_object or json_schema")
 
     @field_validator("stop", mode="before")
     @classmethod

@@ -9,6 +9,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig, 
 from transformers.cache_utils import Cache, DynamicLayer
 
 from app.cpu_linear import pack_linears
+from app.grammar import Grammars
 from app.kv import KVStore, SequenceCache, common_prefix, grown_capacity
 from app.ragged import LAYOUT, Layout, Span, supports_ragged
 from app.ragged import NAME as RAGGED
@@ -70,6 +71,7 @@ class ModelRunner:
         self.max_context = getattr(model.config, "max_position_embeddings", None) or 1 << 30
         self.eos_ids = eos_ids(getattr(model, "generation_config", None), tokenizer)
         self.cache = KVStore(max_cache_bytes)
+        self.grammars = Grammars(tokenizer, self.vocab_size)  # structured output's matchers, per sequence
         # CPU serving: linears on oneDNN-prepacked weights (app/cpu_linear.py); same maths, 2-3x faster
         self.packed_linears = pack_linears(model) if pack and self.device.type == "cpu" else 0
         # models whose forward takes a per-row mask of the positions to project (transformers'
@@ -103,6 +105,7 @@ class ModelRunner:
     def release(self, seq_id: str) -> None:
         """A finished or cancelled sequence: its cache stays only as a prefix donor for others."""
         self.cache.retire(seq_id)
+        self.grammars.release(seq_id)
 
 
 class RaggedBatch:

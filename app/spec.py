@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from app.grammar import Grammars
 from app.logits import LogitRules
 from app.params import SamplingParams
 from app.runner import ModelRunner, SeqInput
@@ -148,13 +149,26 @@ def _guess(logits: torch.Tensor, items: list[ProposeItem], positions: torch.Tens
     return sample(q, uniform(seeds, positions, EMIT))
 
 
-def _ruled(logits: torch.Tensor, items: list[ProposeItem], drafted: list[torch.Tensor]) -> torch.Tensor:
-    """The draft's next-token logits [B, V] under each request's logit rules, given its context and
-    the tokens drafted so far (`drafted`: one [B] tensor per step): q processed as the target's p is."""
+def ruled(grammars: Grammars, seq_id: str, rules: LogitRules | None, logits: torch.Tensor, history: list[int],
+          new: list[int] = ()) -> torch.Tensor:
+    """logits [N, V] of N consecutive positions (row j after history + new[:j]) under a request's rules
+    (app/logits.py) and its grammar (app/grammar.py)."""
+    if rules is None:
+        return logits
+    out = rules.apply(logits, history, new)
+    if rules.grammar:
+        out = grammars.apply(out, seq_id, rules.grammar, history[rules.prompt_len:], new)
+    return out
+
+
+def _ruled(grammars: Grammars, logits: torch.Tensor, items: list[ProposeItem],
+           drafted: list[torch.Tensor]) -> torch.Tensor:
+    """The draft's next-token logits [B, V] under each request's rules and grammar, given its context
+    and the tokens drafted so far (`drafted`: one [B] tensor per step): q processed as the target's p is."""
     if not any(it.rules for it in items):
         return logits
     so_far = torch.stack(drafted, 1).tolist() if drafted else [[] for _ in items]
-    return torch.cat([it.rules.apply(logits[i : i + 1], it.token_ids + so_far[i]) if it.rules else logits[i : i + 1]
+    return torch.cat([ruled(grammars, it.seq_id, it.rules, logits[i : i + 1], it.token_ids + so_far[i])
                       for i, it in enumerate(items)])
 
 
@@ -173,7 +187,7 @@ def propose(runner: ModelRunner, items: list[ProposeItem], top_n: int = 32) -> l
     tokens, ids, probs = [], [], []
     guess_step = torch.tensor([it.k if it.guess else -1 for it in batch_items], device=logits.device)
     for step in range(steps):
-        logits = _ruled(logits, batch_items, tokens)
+        logits = _ruled(runner.grammars, logits, batch_items, tokens)
         t, qi, qp = _draft_step(logits, batch_items, positions + step, top_n)
         if bool((guess_step == step).any()):
             t = torch.where(guess_step == step, _guess(logits, batch_items, positions + step), t)
@@ -201,7 +215,7 @@ def verify(runner: ModelRunner, items: list[VerifyItem]) -> list[Verdict]:
     kept_chunks = [len(it.token_ids) for it in chunks]
     scored = iter([_prompt_logprobs(lg, it) for lg, it in zip(batch.logits[len(rounds):], chunks)])
     if rounds:
-        verdicts = iter(_verdicts(batch, rounds, runner.vocab_size, kept_chunks))
+        verdicts = iter(_verdicts(batch, rounds, runner, kept_chunks))
     else:
         batch.close(kept_chunks)
     stats = {"batch_size": len(items)}
@@ -225,12 +239,14 @@ def _prompt_logprobs(logits: torch.Tensor, chunk: VerifyItem) -> list[tuple] | N
                           chunk.sampling.prompt_logprobs or 0)
 
 
-def _verdicts(batch, items: list[VerifyItem], vocab_size: int, kept_chunks: list[int]) -> list[Verdict]:
+def _verdicts(batch, items: list[VerifyItem], runner: ModelRunner, kept_chunks: list[int]) -> list[Verdict]:
     """The verdicts of a batch opened with `items`' rounds first, then prompt chunks; closes the batch:
     every round keeps what it accepted, every chunk all its positions (`kept_chunks`)."""
     raw = batch.logits[: len(items)]
+    vocab_size = runner.vocab_size
     # each position's logits under its request's rules, given the tokens before it (draft tokens included)
-    logits = [it.rules.apply(lg, it.token_ids, it.proposal.tokens) if it.rules else lg for lg, it in zip(raw, items)]
+    logits = [ruled(runner.grammars, it.seq_id, it.rules, lg, it.token_ids, it.proposal.tokens)
+              for lg, it in zip(raw, items)]
     ks = [len(it.proposal.tokens) for it in items]
     kmax = max(ks)
     if all(it.sampling.greedy for it in items):

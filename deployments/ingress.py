@@ -24,6 +24,7 @@ from transformers import AutoTokenizer
 
 from app import telemetry
 from app.errors import InvalidRequestError
+from app.grammar import Grammars, grammar_of
 from app.openai_protocol import (MAX_CHOICES, ChatCompletionRequest, ChoiceView, CompletionRequest,
                                  chat_prompt_ids, choice_body, choice_seed, combined_speculation, completion_body,
                                  default_max_tokens, error_body, join_logprobs, new_id, normalise_body, sse_event,
@@ -130,6 +131,7 @@ class Ingress:
         default = cfg.speculation.default_num_tokens
         self.default_spec = SpeculationParams(num_tokens=default)
         self.spec_counters = VLLMSpecDecodeCounters(model_name)
+        self.grammars = Grammars(self.tokenizer, len(self.tokenizer))  # checks response_format before any work
         telemetry.configure_tracing("ingress")
 
     # -- endpoints ---------------------------------------------------------------------------
@@ -291,6 +293,8 @@ class Ingress:
         try:
             sampling = body.sampling(self._max_tokens(body, prompt_len, chat), self.default_spec)
             check_vocabulary(sampling, len(self.tokenizer))
+            if (grammar := grammar_of(sampling.response_format)) is not None:
+                self.grammars.check(grammar)
         except ValidationError as e:
             raise invalid(e.errors()) from None
         except InvalidRequestError as e:

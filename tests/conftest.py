@@ -2,7 +2,7 @@
 
 import pytest
 import torch
-from tokenizers import Tokenizer, models, pre_tokenizers, decoders
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
 from app.runner import ModelRunner
@@ -22,6 +22,19 @@ def make_tokenizer() -> PreTrainedTokenizerFast:
     return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>")
 
 
+def make_byte_tokenizer(vocab_size: int = 300) -> PreTrainedTokenizerFast:
+    """A byte-level BPE tokenizer (what real checkpoints use, and what grammar libraries read), trained
+    on a few lines of JSON and code: every byte is a token, and common pairs merge."""
+    corpus = ['{"name": "ada", "age": 36, "admin": true}', '[1, 2, 3], {"a": null, "b": false}',
+              "def f(x):\n    return x + 1", '{"items": ["x", "y"], "count": 2}'] * 20
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.train_from_iterator(corpus, trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<s>", "</s>"],
+                                                        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>")
+
+
 def make_model(seed: int, layers: int = 2, hidden: int = 64, vocab_rows: int = VOCAB,
                max_positions: int = 256) -> LlamaForCausalLM:
     """A random tiny Llama; logits scaled up so its distributions are peaked like a trained model's."""
@@ -37,7 +50,7 @@ def make_model(seed: int, layers: int = 2, hidden: int = 64, vocab_rows: int = V
 
 def blend(target: LlamaForCausalLM, seed: int, weight: float) -> LlamaForCausalLM:
     """A draft that partially agrees with the target: its weights mixed with a random model's."""
-    draft = make_model(seed)
+    draft = make_model(seed, vocab_rows=target.config.vocab_size)
     with torch.no_grad():
         for pd, pt in zip(draft.parameters(), target.parameters()):
             pd.mul_(1 - weight).add_(pt, alpha=weight)

@@ -5,6 +5,7 @@ the logits as living on another device (tests/device_guard.py): mixing it with a
 import pytest
 import torch
 
+from app.logits import LogitRules
 from app.params import SamplingParams
 from app.sampling import process_logits, rejection_sample, sample, uniform
 from app.spec import (
@@ -28,6 +29,10 @@ V = 50
 
 def params(temperature: float, **kw) -> SamplingParams:
     return SamplingParams(max_tokens=8, temperature=temperature, **kw)
+
+
+CONTROLS = dict(presence_penalty=0.5, frequency_penalty=0.3, repetition_penalty=1.2, logit_bias={3: 2.0},
+                min_tokens=2, min_p=0.05, logprobs=2)
 
 
 def logits(*shape: int, seed: int = 0) -> torch.Tensor:
@@ -90,16 +95,20 @@ class FakeBatch:
 
 class FakeRunner:
     vocab_size = V
+    grammars = None  # requests here have no grammar
 
     def open(self, seqs):
         self.batch = FakeBatch(seqs)
         return self.batch
 
 
+@pytest.mark.parametrize("with_rules", [False, True])
 @pytest.mark.parametrize("temperature", [0.0, 0.9])
-def test_proposals_leave_the_draft_as_cpu_tensors(temperature):
+def test_proposals_leave_the_draft_as_cpu_tensors(temperature, with_rules):
     """A proposal is pickled to target replicas that may have no GPU: nothing in it may be on the draft's."""
-    items = [ProposeItem(str(i), [1, 2, 3 + i], 3, params(temperature), seed=i, guess=True) for i in range(2)]
+    sampling = params(temperature, **(CONTROLS if with_rules else {}))
+    rules = LogitRules.of(sampling, 2, frozenset({0}))
+    items = [ProposeItem(str(i), [1, 2, 3 + i], 3, sampling, seed=i, guess=True, rules=rules) for i in range(2)]
     with guard():
         out = propose(FakeRunner(), items, top_n=8)
     for proposal in out:
@@ -108,14 +117,20 @@ def test_proposals_leave_the_draft_as_cpu_tensors(temperature):
         assert not is_on_accelerator(proposal.q_ids) and not is_on_accelerator(proposal.q_probs)
 
 
+@pytest.mark.parametrize("controls", [{}, CONTROLS, dict(CONTROLS, logprobs_mode="processed")],
+                         ids=["plain", "rules-logprobs", "processed-logprobs"])
 @pytest.mark.parametrize("temperature", [0.0, 0.9])
-def test_verification_stays_on_the_target_device(temperature):
+def test_verification_stays_on_the_target_device(temperature, controls):
     proposal = Proposal([4, 5], torch.tensor([[4, 9], [5, 8]]), torch.tensor([[0.7, 0.3], [0.6, 0.4]]))
-    items = [VerifyItem(str(i), [1, 2, 3], proposal, params(temperature), seed=i) for i in range(3)]
+    sampling = params(temperature, **controls)
+    rules = LogitRules.of(sampling, 2, frozenset({0}))
+    items = [VerifyItem(str(i), [1, 2, 3], proposal, sampling, seed=i, rules=rules) for i in range(3)]
     runner = FakeRunner()
     with guard():
         batch = runner.open([type("S", (), {"num_logits": 3})() for _ in items])
-        verdicts = _verdicts(batch, items, V, [])
+        verdicts = _verdicts(batch, items, runner, [])
+    if controls:
+        assert all(len(vd.logprobs) == len(vd.tokens) for vd in verdicts)
     for vd in verdicts:
         assert 1 <= len(vd.tokens) <= 3 and all(type(t) is int for t in vd.tokens) and type(vd.accepted) is int
     assert batch.closed == [3 + vd.accepted for vd in verdicts]

@@ -163,6 +163,7 @@ class Bigram:
 
     def __init__(self, table: torch.Tensor):
         self.table, self.vocab_size = table, table.shape[0]
+        self.grammars = None  # no grammar here: the rules alone
 
     def open(self, seqs):
         return _BigramBatch(self.table, seqs)
@@ -228,7 +229,7 @@ def test_the_draft_processes_q_with_the_same_rules(target_model, tokenizer, monk
                   **RULES["all"])
     same = engine.generate(PROMPTS, params)
     assert all(r.speculation["acceptance_rate"] > 0.97 for r in same), [r.speculation for r in same]
-    monkeypatch.setattr(spec, "_ruled", lambda logits, items, drafted: logits)
+    monkeypatch.setattr(spec, "_ruled", lambda grammars, logits, items, drafted: logits)
     unruled = engine.generate(PROMPTS, params)
     assert min(r.speculation["acceptance_rate"] for r in unruled) < 0.9
 

@@ -1,0 +1,142 @@
+"""Structured output (response_format) under speculation: the grammar masks target and draft alike,
+advances along each proposal and rolls back, so output is valid, greedy output is the target's
+constrained greedy output token for token, and acceptance is what the distributions allow."""
+
+import json
+
+import jsonschema
+import llguidance
+import llguidance.hf
+import llguidance.torch
+import pytest
+import torch
+from transformers import LogitsProcessor, LogitsProcessorList
+
+import app.spec as spec
+from app.engine import Engine
+from app.errors import InvalidRequestError
+from app.grammar import Grammars, grammar_of
+from app.params import parse_sampling
+from app.runner import ModelRunner
+from conftest import blend, make_byte_tokenizer, make_model
+
+SCHEMA = {"type": "object", "properties": {"ok": {"type": "boolean"}, "kind": {"enum": ["ab", "cab", "b"]},
+                                           "tags": {"type": "array", "items": {"enum": ["x", "yy"]}, "maxItems": 3}},
+          "required": ["ok", "kind", "tags"], "additionalProperties": False}
+JSON_SCHEMA = {"type": "json_schema", "json_schema": {"name": "thing", "schema": SCHEMA}}
+PROMPTS = ["give me json:", '{"name": "ada"', "x", "def f(x):"]
+
+
+@pytest.fixture(scope="module")
+def byte_tokenizer():
+    return make_byte_tokenizer()
+
+
+@pytest.fixture(scope="module")
+def byte_target(byte_tokenizer):
+    return make_model(seed=4, vocab_rows=len(byte_tokenizer))
+
+
+class ReferenceGrammar(LogitsProcessor):
+    """The grammar applied step by step as plain decoding would: one matcher, one token at a time."""
+
+    def __init__(self, tokenizer, grammar: str, prompt_len: int):
+        self.tok = llguidance.hf.from_tokenizer(tokenizer, n_vocab=len(tokenizer))
+        self.matcher = llguidance.LLMatcher(self.tok, grammar)
+        self.prompt_len, self.seen = prompt_len, 0
+
+    def __call__(self, input_ids, scores):
+        out = input_ids[0, self.prompt_len:].tolist()
+        for t in out[self.seen:]:
+            assert self.matcher.consume_token(t)
+        self.seen = len(out)
+        mask = llguidance.torch.allocate_token_bitmask(1, scores.shape[-1])
+        llguidance.torch.fill_next_token_bitmask(self.matcher, mask, 0)
+        scores = scores.clone()
+        llguidance.torch.apply_token_bitmask_inplace(scores, mask)
+        return scores
+
+
+def constrained_reference(model, tokenizer, prompt_ids, grammar, n):
+    out = model.generate(torch.tensor([prompt_ids]), attention_mask=torch.ones(1, len(prompt_ids), dtype=torch.long),
+                         do_sample=False, max_new_tokens=n, eos_token_id=tokenizer.eos_token_id, pad_token_id=0,
+                         logits_processor=LogitsProcessorList([ReferenceGrammar(tokenizer, grammar, len(prompt_ids))]))
+    return out[0, len(prompt_ids):].tolist()
+
+
+@pytest.mark.parametrize("k", [1, 4, "auto"])
+@pytest.mark.parametrize("fmt", ["json_schema", "json_object"])
+def test_greedy_structured_output_is_the_targets_constrained_greedy_output(k, fmt, byte_tokenizer, byte_target):
+    draft = blend(byte_target, 7, 0.8)
+    engine = Engine(ModelRunner(byte_target, byte_tokenizer), ModelRunner(draft, byte_tokenizer))
+    response_format = JSON_SCHEMA if fmt == "json_schema" else {"type": "json_object"}
+    params = dict(temperature=0, max_tokens=60, response_format=response_format, speculation={"num_tokens": k})
+    grammar = grammar_of(parse_sampling(params).response_format)
+    for r in engine.generate(PROMPTS, params):
+        want = constrained_reference(byte_target, byte_tokenizer, r.prompt_token_ids, grammar, 60)
+        assert r.token_ids == [t for t in want if t != byte_tokenizer.eos_token_id][: len(r.token_ids)]
+        if fmt == "json_schema":  # short by construction: it ends, with the eos the grammar then forces
+            assert r.finish_reason == "stop"
+            jsonschema.validate(json.loads(r.text), SCHEMA)
+        elif r.finish_reason == "stop":
+            assert isinstance(json.loads(r.text), dict)
+
+
+def test_sampled_structured_output_is_valid_for_every_seed(byte_tokenizer, byte_target):
+    engine = Engine(ModelRunner(byte_target, byte_tokenizer), ModelRunner(blend(byte_target, 7, 0.8), byte_tokenizer))
+    params = [dict(temperature=1.0, seed=s, max_tokens=80, response_format=JSON_SCHEMA) for s in range(8)]
+    results = engine.generate(PROMPTS * 2, params)
+    for r in results:
+        assert r.finish_reason == "stop", r.text
+        jsonschema.validate(json.loads(r.text), SCHEMA)
+    assert len({r.text for r in results}) > 1  # sampling still samples within the grammar
+
+
+def test_the_draft_masks_q_with_the_same_grammar(byte_tokenizer, byte_target, monkeypatch):
+    """Target as its own draft, q untruncated: with the grammar on both sides q = p, every token passes.
+    Planted bug: a draft that ignores the grammar proposes tokens the target's grammar refuses."""
+    engine = Engine(ModelRunner(byte_target, byte_tokenizer), ModelRunner(byte_target, byte_tokenizer), draft_top_n=0)
+    params = dict(temperature=1.0, seed=5, max_tokens=60, response_format=JSON_SCHEMA, speculation={"num_tokens": 4})
+    same = engine.generate(PROMPTS, params)
+    assert all(r.speculation["acceptance_rate"] > 0.97 for r in same), [r.speculation for r in same]
+    monkeypatch.setattr(spec, "_ruled", lambda grammars, logits, items, drafted: logits)
+    unmasked = engine.generate(PROMPTS, params)
+    assert max(r.speculation["acceptance_rate"] for r in unmasked) < 0.9
+    for r in unmasked:  # the target's mask alone still keeps the output valid
+        jsonschema.validate(json.loads(r.text), SCHEMA)
+
+
+def test_masks_follow_a_proposal_and_roll_back(byte_tokenizer):
+    grammars = Grammars(byte_tokenizer, len(byte_tokenizer))
+    grammar = grammar_of({"type": "json_object"})
+    ids = byte_tokenizer('{"a": true}', add_special_tokens=False)["input_ids"]
+    along = grammars.masks("s", grammar, [], ids, len(ids) + 1)
+    # row j is the mask after ids[:j]: each token is allowed where it was proposed
+    for j, t in enumerate(ids):
+        assert along[j, t // 32] >> (t % 32) & 1
+    # the matcher was rolled back: the same call gives the same masks; resyncing to the output so far
+    # (advancing, then rolling back to a different branch) gives the masks from there
+    assert torch.equal(grammars.masks("s", grammar, [], ids, len(ids) + 1), along)
+    assert torch.equal(grammars.masks("s", grammar, ids[:2], ids[2:], len(ids) - 1), along[2:])
+    assert torch.equal(grammars.masks("s", grammar, ids[:1], ids[1:], len(ids)), along[1:])
+    # a token the grammar refuses: its row refuses it and the rows after it repeat that row
+    bad = byte_tokenizer("x", add_special_tokens=False)["input_ids"][0]
+    refused = grammars.masks("s", grammar, [], [bad, ids[1]], 3)
+    assert not refused[0, bad // 32] >> (bad % 32) & 1
+    assert torch.equal(refused[1], refused[0]) and torch.equal(refused[2], refused[0])
+    grammars.release("s")
+    assert torch.equal(grammars.masks("s", grammar, ids[:2], ids[2:], len(ids) - 1), along[2:])
+
+
+def test_bad_formats_and_tokenizers_are_refused_by_name(byte_tokenizer, byte_target, tokenizer, target_model):
+    engine = Engine(ModelRunner(byte_target, byte_tokenizer))
+    for bad in ({"type": "xml"}, {"type": "json_schema", "json_schema": {"name": "x"}},
+                {"type": "json_schema", "json_schema": {"schema": {"type": "frobnicate"}}}):
+        with pytest.raises(InvalidRequestError) as e:
+            engine.new_request("x", dict(response_format=bad))
+        assert e.value.param == "response_format", bad
+    # a tokenizer llguidance cannot read (character-level WordLevel): a clear refusal, not a crash
+    with pytest.raises(InvalidRequestError) as e:
+        Engine(ModelRunner(target_model, tokenizer)).new_request("x", dict(response_format={"type": "json_object"}))
+    assert e.value.param == "response_format" and "tokenizer" in str(e.value)
+    assert parse_sampling(dict(response_format={"type": "text"})).response_format is None
