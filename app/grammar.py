@@ -66,20 +66,23 @@ class Grammars:
     def __init__(self, tokenizer, vocab_size: int):
         self.hf_tokenizer, self.vocab_size = tokenizer, vocab_size
         self._tokenizer = None  # llguidance's view of the tokenizer, made on first use
+        self._unsupported: str | None = None  # why llguidance cannot read the tokenizer, once tried
         self._matchers: dict[str, _Tracked] = {}
         self._lock = threading.Lock()  # release() runs on the event loop, masks in the forward thread
 
     @property
     def tokenizer(self):
         """llguidance's LLTokenizer of the model's tokenizer."""
-        if self._tokenizer is None:
+        if self._tokenizer is None and self._unsupported is None:
             import llguidance.hf
 
             try:
                 self._tokenizer = llguidance.hf.from_tokenizer(self.hf_tokenizer, n_vocab=self.vocab_size)
             except ValueError as e:
-                raise InvalidRequestError(f"response_format is not supported with this model's tokenizer: {e}",
-                                          param="response_format") from None
+                self._unsupported = str(e)  # remembered: not tried again on every request
+        if self._tokenizer is None:
+            raise InvalidRequestError("response_format is not supported with this model's tokenizer: "
+                                      f"{self._unsupported}", param="response_format")
         return self._tokenizer
 
     def check(self, grammar: str) -> None:

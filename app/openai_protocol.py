@@ -308,8 +308,11 @@ class ChoiceView:
     top_logprobs, text_offset; chat's: content, a list of tokens with their alternatives)."""
 
     def __init__(self, tokenizer, chat: bool, logprobs: bool, echo: str | None = None,
-                 prompt_ids: list[int] | None = None):
+                 prompt_ids: list[int] | None = None, token_bytes=None):
+        """token_bytes(id): a token's own bytes (a piece of a multi-byte character is not valid UTF-8
+        alone); by default its text's."""
         self.tokenizer, self.chat, self.logprobs = tokenizer, chat, logprobs
+        self.token_bytes = token_bytes or (lambda t: self._piece(t).encode())
         self.echo, self.prompt_ids = echo, prompt_ids or []
         self.offset = 0  # characters of this choice's text so far: the next token's text_offset
 
@@ -333,9 +336,9 @@ class ChoiceView:
     def _completion(self, ids: list[int], entries: list) -> dict:
         pieces = [self._piece(t) for t in ids]
         offsets, at = [], self.offset
-        for piece in pieces:
+        for t in ids:  # where each token's text starts in the choice's text (special tokens have none)
             offsets.append(at)
-            at += len(piece)
+            at += len(self.tokenizer.decode([t], skip_special_tokens=True, clean_up_tokenization_spaces=False))
         return {"tokens": pieces, "token_logprobs": [e[0] if e else None for e in entries],
                 "top_logprobs": [{self._piece(i): lp for i, lp in e[1]} if e else None for e in entries],
                 "text_offset": offsets}
@@ -343,7 +346,7 @@ class ChoiceView:
     def _chat(self, ids: list[int], entries: list) -> dict:
         def token(t: int, lp: float) -> dict:
             piece = self._piece(t)
-            return {"token": piece, "logprob": lp, "bytes": list(piece.encode())}
+            return {"token": piece, "logprob": lp, "bytes": list(self.token_bytes(t))}
         return {"content": [{**token(t, e[0]), "top_logprobs": [token(i, lp) for i, lp in e[1]]}
                             for t, e in zip(ids, entries)]}
 

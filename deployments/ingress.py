@@ -259,7 +259,8 @@ class Ingress:
                 seed = params["seed"]
                 jobs.append((ids, {**params, "seed": choice_seed(seed, j) if seed is not None else None}))
                 echoed = (p if isinstance(p := body.prompts()[i], str) else self.tokenizer.decode(ids)) if echo else None
-                views.append(ChoiceView(self.tokenizer, chat, sampling.logprobs is not None, echoed, ids))
+                views.append(ChoiceView(self.tokenizer, chat, sampling.logprobs is not None, echoed, ids,
+                                        self._token_bytes))
         rid = new_id("chatcmpl" if chat else "cmpl")
         streams = [self.router.generate(uuid.uuid4().hex, ids, params, telemetry.carrier(span)) for ids, params in jobs]
         deadline = asyncio.get_running_loop().time() + self.cfg.limits.request_timeout_s
@@ -287,6 +288,13 @@ class Ingress:
                    for i, (text, last, logprobs) in enumerate(done)]
         return completion_body(rid, self.model_name, choices, None, usage,
                                combined_speculation([last["speculation"] for _, last, _ in done]), chat, delta=False)
+
+    def _token_bytes(self, token: int) -> bytes:
+        """A token's own bytes, as llguidance reads the tokenizer; its text's where it cannot."""
+        try:
+            return self.grammars.tokenizer.decode_bytes([token])
+        except InvalidRequestError:
+            return self.tokenizer.decode([token], skip_special_tokens=False).encode()
 
     def _sampling(self, body, prompt_len: int, chat: bool) -> SamplingParams:
         """A prompt's sampling parameters, checked against the model (a 400 naming what is wrong)."""

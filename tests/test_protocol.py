@@ -76,7 +76,7 @@ def test_sampling_controls_and_logprobs_reach_the_sampling_params():
 
 
 def test_a_choice_renders_echo_and_logprobs_as_openai_does(tokenizer):
-    prompt = tokenizer("ab")["input_ids"]
+    prompt = [tokenizer.bos_token_id] + tokenizer("ab")["input_ids"]  # <s> a b
     out = tokenizer("cd", add_special_tokens=False)["input_ids"]
     entries = [(-0.5, [(out[0], -0.5), (3, -1.5)]), (-0.25, [(out[1], -0.25)])]
     view = ChoiceView(tokenizer, chat=False, logprobs=True, echo="ab", prompt_ids=prompt)
@@ -87,6 +87,8 @@ def test_a_choice_renders_echo_and_logprobs_as_openai_does(tokenizer):
     assert lp["token_logprobs"][1:] == [-2.0] * (len(prompt) - 1) + [-0.5]
     text2, lp2 = view.render({"text": "d", "token_ids": out[1:], "logprobs": entries[1:]})
     assert text2 == "d" and lp2["text_offset"] == [len(text)]  # offsets run on across chunks
+    # offsets index the returned text: a special token (the prompt's <s>) takes no characters of it
+    assert lp["text_offset"] == [0, 0, 1, 2] and lp["tokens"][0] == "<s>"
     assert join_logprobs([lp, lp2])["token_logprobs"][-2:] == [-0.5, -0.25]
     chat = ChoiceView(tokenizer, chat=True, logprobs=True)
     _, body = chat.render({"text": "cd", "token_ids": out, "logprobs": entries})
