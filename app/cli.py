@@ -36,11 +36,8 @@ def cmd_demo_models(args) -> int:
 
 
 def cmd_serve(args) -> int:
-    """Start a local multi-node Ray cluster and the app; stop both on Ctrl-C or SIGTERM."""
-    import signal
-    import threading
-
-    from cluster.local import LocalCluster, deploy, load_config
+    """Start a local multi-node Ray cluster and the app; stop both on Ctrl-C or SIGTERM (exit 0)."""
+    from cluster.local import LocalCluster, deploy, load_config, stop_on_signals
 
     overrides: dict = {"demo_quick": args.quick}
     if args.target:
@@ -52,11 +49,10 @@ def cmd_serve(args) -> int:
 
         demo_pair(quick=args.quick)  # build with a progress bar here, before the replicas need it
     config = load_config(args.config, args=overrides, port=args.port, host=args.host)
-    stop = threading.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: stop.set())
     print("starting a local Ray cluster (a target-pool node and a draft-pool node)...", flush=True)
+    stop = stop_on_signals()  # a signal while the cluster starts: it stops as soon as it is up
     with LocalCluster():
+        stop_on_signals(stop)
         deploy(config)
         url = f"http://{args.host}:{args.port}"
         name = config["applications"][0]["args"].get("served_model_name") or _served_name(config)

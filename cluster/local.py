@@ -7,6 +7,8 @@ module adds the pools and deploys a Serve config onto them the way `serve run` d
 import contextlib
 import copy
 import os
+import signal
+import threading
 import time
 from pathlib import Path
 
@@ -141,15 +143,21 @@ def deploy(config: dict, timeout_s: float = 600) -> None:
     raise TimeoutError(f"application {name} not running after {timeout_s}s")
 
 
-def main() -> None:
-    """`python -m cluster.local`: start the two-pool cluster and keep it up until Ctrl-C."""
-    import signal
-    import threading
-
-    stop = threading.Event()
+def stop_on_signals(stop: threading.Event | None = None) -> threading.Event:
+    """An event set by SIGINT or SIGTERM (`stop`, or a new one). Call it again once connected to the
+    cluster: ray.init installs Ray's native SIGTERM handler, which dumps a stack and kills the process,
+    leaving the cluster's processes behind."""
+    stop = stop or threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
+    return stop
+
+
+def main() -> None:
+    """`python -m cluster.local`: start the two-pool cluster and keep it up until Ctrl-C."""
+    stop = stop_on_signals()  # a signal while the cluster starts: it stops as soon as it is up
     with LocalCluster() as cluster:
+        stop_on_signals(stop)
         print(f"local cluster up (head = {TARGET_POOL}, worker = {DRAFT_POOL}); in another shell:\n"
               f"  RAY_AUTH_MODE=disabled RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 .venv/bin/serve run --address {cluster.address} {CONFIG}\n"
               "Ctrl-C stops the cluster.", flush=True)

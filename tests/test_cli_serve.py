@@ -1,0 +1,46 @@
+"""`specserve serve` as an operator runs it: up, then SIGTERM stops the app and its cluster and exits 0."""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import httpx
+import psutil
+import pytest
+
+from serving import free_port, save_tiny_pair
+
+pytestmark = pytest.mark.slow
+
+
+def test_sigterm_stops_the_app_and_its_cluster_and_exits_0(tmp_path):
+    target, draft = save_tiny_pair(tmp_path)
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "app.cli", "serve", "--target", target, "--draft", draft,
+                             "--port", str(port), "--host", "127.0.0.1"],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
+                            env={**os.environ, "RAY_AUTH_MODE": "disabled"})
+    try:
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline and proc.poll() is None:
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/v1/models", timeout=5).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            time.sleep(2)
+        assert proc.poll() is None, proc.stdout.read()
+        children = psutil.Process(proc.pid).children(recursive=True)  # the cluster's processes
+        assert children
+        proc.send_signal(signal.SIGTERM)
+        output, _ = proc.communicate(timeout=180)
+        assert proc.returncode == 0, output[-3000:]
+        assert "SIGTERM received" not in output and "stopping the app and the cluster" in output
+        gone, alive = psutil.wait_procs(children, timeout=60)
+        assert not alive, [p.cmdline() for p in alive]
+    finally:
+        if proc.poll() is None:  # only what this test started, by its process group
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=30)
