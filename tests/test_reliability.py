@@ -305,7 +305,9 @@ def test_overload_is_refused_at_once_with_retry_after(deployed, reference):
     assert figures["completed"] == len(accepted) and figures["differing"] == 0
     for o in refused:
         assert "retry-after" in o.headers and set(o.error) == {"message", "type", "param", "code"}
-    assert slowest_refusal < wall / 2  # refused at once, not after queueing behind the accepted ones
+    # refused at once, not after queueing behind the accepted ones: every refusal came back before the
+    # first accepted request finished (an order of events, whatever the machine's speed)
+    assert slowest_refusal < min((o.seconds for o in accepted), default=float("inf"))
 
 
 @pytest.mark.slow

@@ -32,10 +32,15 @@ def draft_model(target_model):
 
 
 class DraftLags(CostEstimator):
-    """Proposals take longer than a verify round: rounds wait for them, company or not. Tests that count
-    hits and fallbacks must not depend on how fast this machine drafts."""
+    """Proposals take longer than a verify round: rounds wait for them, company or not; and the cost
+    ratio c is the prior, not measured. Tests that count hits, fallbacks or drafted tokens must not
+    depend on how fast this machine drafts."""
 
     draft_keeps_up = False
+
+    @property
+    def c(self) -> float:
+        return self.config.prior_c
 
 
 @pytest.fixture()

@@ -73,7 +73,6 @@ def test_tp2_matches_tp1_and_survives_a_killed_rank(pair):
                 assert r.json()["choices"][0]["text"] == ref  # completed via retry: identical
             else:
                 assert r.status_code == 503 and r.json()["error"]["type"] == "service_unavailable"
-        assert elapsed < 240
         print(f"killed rank: {sum(r.status_code == 200 for r in responses)}/{len(responses)} completed, "
               f"{elapsed:.1f}s")
         # the replica is replaced (with its placement group); later requests succeed
