@@ -6,7 +6,7 @@ VENV ?= .venv
 TORCH_SPEC ?= torch==2.13.0
 BIN := $(VENV)/bin
 
-.PHONY: install serve test bench demo-models gpu-check
+.PHONY: install serve test bench demo-models gpu-check fuzz
 
 $(BIN)/specserve: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -27,6 +27,10 @@ bench: install
 
 test: install
 	$(BIN)/python -m pytest -q
+
+# schemathesis against a live app: FUZZ_CASES bodies per endpoint and mode (2 x 2), 0 x 5xx expected
+fuzz: install
+	FUZZ_CASES=$${FUZZ_CASES:-500} $(BIN)/python -m pytest -q -s tests/test_fuzz.py
 
 # on a machine with one NVIDIA GPU (and a CUDA torch: see TORCH_SPEC above); no Ray, no network
 gpu-check: install

@@ -14,6 +14,7 @@ import uuid
 import prometheus_client
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
+from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from opentelemetry.trace import SpanKind
 from pydantic import ValidationError
@@ -41,6 +42,46 @@ DEFAULT_CHAT_TEMPLATE = (
 )
 
 api = FastAPI(title="specserve", description="Exact speculative decoding, OpenAI-compatible.")
+BODIES = {"/v1/completions": CompletionRequest, "/v1/chat/completions": ChatCompletionRequest}
+
+
+def _openapi() -> dict:
+    """FastAPI's OpenAPI document with the request bodies the endpoints read. They parse bodies
+    themselves (nulls, allowlisted fields, 400 rather than FastAPI's 422), so FastAPI cannot see them;
+    clients, docs and schema fuzzers need them."""
+    if api.openapi_schema is None:
+        schema = get_openapi(title=api.title, version=api.version, description=api.description, routes=api.routes)
+        components = schema.setdefault("components", {}).setdefault("schemas", {})
+        error = {"description": "OpenAI's error body", "content": {"application/json": {"schema": ERROR_SCHEMA}}}
+        for path, model in BODIES.items():
+            body = model.model_json_schema(ref_template="#/components/schemas/{model}")
+            components.update(body.pop("$defs", {}))
+            components[model.__name__] = body
+            operation = schema["paths"][path]["post"]
+            operation["requestBody"] = {"required": True, "content": {
+                "application/json": {"schema": {"$ref": f"#/components/schemas/{model.__name__}"}}}}
+            operation["responses"].update({str(code): error for code in (400, 401, 404, 408, 413, 503)})
+        api.openapi_schema = schema
+    return api.openapi_schema
+
+
+api.openapi = _openapi
+
+
+def _narrow_schema(model_name: str, max_tokens_cap: int) -> None:
+    """This deployment's limits in the published schema: the one model it serves, its max_tokens cap."""
+    components = _openapi()["components"]["schemas"]
+    for model in BODIES.values():
+        fields = components[model.__name__]["properties"]
+        fields["model"] = {**fields["model"], "enum": [model_name]}
+        for name in ("max_tokens", "max_completion_tokens"):
+            if name in fields:
+                fields[name] = {**fields[name], "anyOf": [{"type": "integer", "minimum": 1, "maximum": max_tokens_cap},
+                                                          {"type": "null"}]}
+ERROR_SCHEMA = {"type": "object", "required": ["error"], "properties": {"error": {
+    "type": "object", "required": ["message", "type", "param", "code"],
+    "properties": {"message": {"type": "string"}, "type": {"type": "string"}, "param": {"type": ["string", "null"]},
+                   "code": {"type": ["string", "integer", "null"]}}}}}
 
 
 class APIError(Exception):
@@ -132,6 +173,7 @@ class Ingress:
         self.default_spec = SpeculationParams(num_tokens=default)
         self.spec_counters = VLLMSpecDecodeCounters(model_name)
         self.grammars = Grammars(self.tokenizer, len(self.tokenizer))  # checks response_format before any work
+        _narrow_schema(model_name, cfg.limits.max_tokens_cap)
         telemetry.configure_tracing("ingress")
 
     # -- endpoints ---------------------------------------------------------------------------
