@@ -22,7 +22,9 @@ A seeded sampled request always waits: its draws depend on each round's K, which
 on load.
 
 Fail open, per sequence: a draft that errs or misses its deadline turns this sequence's rounds
-into plain target steps for a while; no other sequence is touched.
+into plain target steps for a while; no other sequence is touched. A seeded sampled request first
+asks again (its output depends on its K, and a retry gets the same proposal from whichever replica
+answers), so a killed draft replica does not change what it generates.
 """
 
 import asyncio
@@ -60,6 +62,12 @@ class DraftPolicy:
 
     timeout_s: float = 2.0  # a proposal later than this: the round runs as a plain target step
     retry_after_s: float = 5.0  # after a draft failure, this sequence's rounds are plain steps this long
+    # A seeded sampled request's draws depend on each round's K, so falling open would change its
+    # output: it asks again (another replica answers with the same proposal), this many times with
+    # this backoff doubling (1.5 s in all), before it falls open after all, like the others: then its
+    # output is distribution-exact but no longer what an undisturbed run gives.
+    seeded_retries: int = 4
+    seeded_backoff_s: float = 0.1
     ahead: bool = True  # ask for round n+1's proposal while round n is verified
     clock: Callable[[], float] = time.monotonic  # injected by tests
 
@@ -113,12 +121,12 @@ class Rounds:
         wanted = self.controller.choose(*_costs(state, self.costs, self.verify_cost)) if self.propose else 0
         k = within_room(state, wanted)
         proposal, fallback, ahead_hit, t_draft = Proposal.empty(), None, None, 0.0
+        # output that does not depend on K: greedy, or sampled without a seed
+        flexible = state.params.greedy or state.params.seed is None
         if k > 0 and clock() < self.draft_down_until:
             fallback = self.down_reason
         elif k > 0:
             t0 = time.perf_counter()
-            # output that does not depend on K: greedy, or sampled without a seed
-            flexible = state.params.greedy or state.params.seed is None
             ready = self._ready_ahead(flexible)
             exact = self.ahead is not None and self.ahead.context == state.token_ids
             try:
@@ -132,7 +140,12 @@ class Rounds:
                         self._ask_ahead(list(state.token_ids), k + 1)
                 else:
                     ahead_hit = exact if self.ahead is not None else None
-                    proposal = await (self._await_ahead() if exact else self._draft(state.token_ids, k))
+                    try:
+                        proposal = await (self._await_ahead() if exact else self._draft(state.token_ids, k))
+                    except DraftUnavailable:
+                        if flexible:
+                            raise
+                        proposal = await self._draft_again(state.token_ids, k)
             except DraftUnavailable as e:
                 fallback, self.down_reason = e.reason, e.reason
                 self.draft_down_until = clock() + self.policy.retry_after_s
@@ -182,6 +195,21 @@ class Rounds:
                 raise  # this request (or its drafted-ahead proposal) is being stopped
             # the draft side cancelled the call (a replica shutting down, a batch it dropped): fail open
             raise DraftUnavailable("the draft pool cancelled the proposal") from None
+
+    async def _draft_again(self, context: list[int], k: int) -> Proposal:
+        """A seeded request's proposal after a failed call: asked again with backoff (the proposal is a
+        function of the context, so whichever replica answers gives the same one); the last failure
+        is raised when every retry failed."""
+        delay = self.policy.seeded_backoff_s
+        for attempt in range(self.policy.seeded_retries):
+            await asyncio.sleep(delay)
+            delay *= 2
+            try:
+                return await self._draft(context, k)
+            except DraftUnavailable:
+                if attempt == self.policy.seeded_retries - 1:
+                    raise
+        raise DraftUnavailable("no retries allowed")
 
     # -- drafting ahead ----------------------------------------------------------------------
     def _draft_ahead(self, proposal: Proposal) -> None:

@@ -2,6 +2,7 @@
 per-sequence fail-open, resuming from streamed tokens, and releasing caches mid-forward."""
 
 import asyncio
+import collections
 
 import pytest
 
@@ -342,3 +343,35 @@ def test_a_long_prompt_is_prefilled_in_chunks_beside_other_rounds(engine, refere
     assert max(step.get(long_id, 0) for step in computed) <= 16 + 3  # a chunk, or the last one and 3 drafted
     assert sum(1 for step in computed if long_id in step) >= 5
     assert any(long_id in step and len(step) > 1 for step in computed)  # chunks share forwards
+
+
+class FailsFirst:
+    """A draft transport whose first `n` proposals of each sequence fail (a replica killed mid-call)."""
+
+    def __init__(self, inner: ForwardQueue, n: int):
+        self.inner, self.n, self.failed = inner, n, collections.Counter()
+
+    async def submit(self, item):
+        if self.failed[item.seq_id] < self.n:
+            self.failed[item.seq_id] += 1
+            raise DraftUnavailable("draft replica died", "draft_unavailable")
+        return await self.inner.submit(item)
+
+    async def release(self, seq_id):
+        await self.inner.release(seq_id)
+
+
+def test_a_seeded_request_asks_again_so_a_dead_draft_replica_changes_nothing(engine):
+    params = [seeded(7), seeded(8, num_tokens=3)]
+    undisturbed = [engine().generate([p], sp)[0] for p, sp in zip(PROMPTS, params)]
+    eng = engine()
+    eng.policy = DraftPolicy(seeded_backoff_s=0.0)
+    eng.drafter = FailsFirst(eng.drafter, 2)
+    disturbed = [eng.generate([p], sp)[0] for p, sp in zip(PROMPTS, params)]
+    assert [r.token_ids for r in disturbed] == [r.token_ids for r in undisturbed]
+    assert all(r.speculation["fallback_rounds"] == 0 for r in disturbed) and sum(eng.drafter.failed.values()) == 4
+    # a pool that stays down: the request falls open after its retries, and still completes
+    eng.drafter = FailsFirst(eng.drafter.inner, 10**6)
+    alone = eng.generate([PROMPTS[0]], seeded(7))[0]
+    assert len(alone.token_ids) == len(undisturbed[0].token_ids)
+    assert alone.speculation["fallback_rounds"] > 0

@@ -1,0 +1,293 @@
+"""Chaos soak: mixed load on a local cluster running two replicas of every deployment, while a random
+replica of a random layer is killed every 20-40 s. Per layer killed it reports what the clients saw.
+
+    .venv/bin/python -m cluster.soak --minutes 10 [--target DIR --draft DIR] [--tp 2] [--json out.json]
+
+The load: `--clients` loops, each sending requests drawn from a fixed mix (streaming or not; greedy,
+seeded or unseeded sampling; short or long prompts). Before the first kill every greedy and seeded
+request of the mix is answered once by the undisturbed app: its reference. During the soak such a
+request must come back identical (durable state is what was streamed: a request resumed elsewhere
+continues exactly). Layers: draft and target replicas, TP ranks (with --tp 2), and the ingress,
+which holds the request router (a plain class in the ingress process, not a deployment of its own).
+
+Each request is counted against the last kill before it ended, when it ended within 30 s of it
+(else against "no kill"): sent, completed, identical to the reference, clear errors (an OpenAI
+error body, or an SSE error event), dropped connections (the client library raises: a body cut
+mid-stream, or the HTTP proxy's own 500 when the ingress replica under it died), silent cuts (a
+response that ended cleanly without a finish or an error: must be 0), and latency p50/p99. Only
+an ingress kill may drop connections: those the killed process held.
+"""
+
+import argparse
+import asyncio
+import json
+import random
+import threading
+import time
+import zlib
+from dataclasses import dataclass
+
+import httpx
+
+LAYERS = {"draft": "DraftServer", "target": "TargetServer", "ingress": "Ingress"}
+WINDOW_S = 30.0  # a kill's effects are counted for the requests that end this long after it
+SHORT = ["def add(a, b):", "import os\n", "class Stack:", "for i in range(", "x = [", "# sort a list\n"]
+# long enough to take several forwards of a small model's prefill, short enough for a 512-token context
+LONG = ["def merge_sort(items):\n    \"\"\"Sort items with merge sort.\"\"\"\n" + "    # step\n" * 24,
+        "The history of computing began long before electronic machines. " * 5]
+
+
+@dataclass(frozen=True)
+class Spec:
+    """One request of the mix."""
+
+    prompt: str
+    kind: str  # greedy | seeded | unseeded
+    stream: bool
+    max_tokens: int
+
+    def body(self) -> dict:
+        sampling = {"temperature": 0} if self.kind == "greedy" else {"temperature": 0.9, "top_p": 0.95}
+        if self.kind == "seeded":
+            sampling["seed"] = zlib.crc32(self.prompt.encode()) % 10_000
+        return {"model": "target", "prompt": self.prompt, "max_tokens": self.max_tokens, "ignore_eos": True,
+                "stream": self.stream, **sampling}
+
+
+@dataclass
+class Outcome:
+    spec: Spec
+    start: float
+    end: float = 0.0
+    status: int = 0
+    text: str = ""
+    finished: bool = False
+    error: dict | None = None  # a clear failure: OpenAI's error body or an SSE error event
+    dropped: str | None = None  # the connection failed: a transport error, or the proxy's own 5xx
+    cut: str | None = None  # a silent cut: ended cleanly with neither a finish nor an error
+
+    @property
+    def seconds(self) -> float:
+        return self.end - self.start
+
+
+def mix(max_tokens: int) -> list[Spec]:
+    return [Spec(p, kind, stream, max_tokens) for p in SHORT + LONG for kind in ("greedy", "seeded", "unseeded")
+            for stream in (True, False)]
+
+
+async def send(client: httpx.AsyncClient, url: str, spec: Spec) -> Outcome:
+    """One request, read to its end; what the client saw."""
+    out = Outcome(spec, time.monotonic())
+    try:
+        async with client.stream("POST", f"{url}/v1/completions", json=spec.body()) as r:
+            out.status = r.status_code
+            if r.status_code != 200 or not spec.stream:
+                raw = await r.aread()
+                try:
+                    body = json.loads(raw)
+                except ValueError:  # the HTTP proxy's own answer (its replica died under it)
+                    out.dropped = f"{r.status_code} from the proxy: {raw[:60]!r}"
+                    return out
+                if "error" in body:
+                    out.error = body["error"]
+                elif "choices" in body:
+                    out.text, out.finished = body["choices"][0]["text"], True
+                else:
+                    out.cut = f"{r.status_code}: neither a completion nor an error"
+                return out
+            async for line in r.aiter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                event = json.loads(line[6:])
+                if "error" in event:
+                    out.error = event["error"]
+                    continue
+                for choice in event["choices"]:
+                    out.text += choice["text"]
+                    out.finished |= choice["finish_reason"] is not None
+        if not (out.finished or out.error):
+            out.cut = "the stream ended without a finish or an error"
+    except httpx.HTTPError as e:  # the client library raises: the connection broke, not a silent end
+        out.dropped = f"{type(e).__name__}: {e}"
+    finally:
+        out.end = time.monotonic()
+    return out
+
+
+async def load(url: str, specs: list[Spec], clients: int, until: float, seed: int,
+               timeout_s: float) -> list[Outcome]:
+    """`clients` loops sending random requests of the mix until `until` (monotonic); each bounded in time."""
+    outcomes: list[Outcome] = []
+
+    async def loop(i: int) -> None:
+        rng = random.Random(seed * 1000 + i)
+        async with httpx.AsyncClient(timeout=timeout_s) as client:
+            while time.monotonic() < until:
+                outcomes.append(await send(client, url, rng.choice(specs)))
+    await asyncio.gather(*(loop(i) for i in range(clients)))
+    return outcomes
+
+
+def replicas_of(layer: str) -> list[str]:
+    import ray
+
+    actors = ray.util.list_named_actors(all_namespaces=True)
+    if layer == "rank":
+        return sorted(a["name"] for a in actors if a["name"].startswith("specserve-rank-"))
+    return sorted(a["name"] for a in actors if a["namespace"] == "serve" and f"#{LAYERS[layer]}#" in a["name"])
+
+
+def kill(layer: str, rng: random.Random) -> str:
+    """Kill one replica (process) of a layer; Serve (or its TargetServer, for a rank) replaces it."""
+    import ray
+
+    name = rng.choice(replicas_of(layer))
+    namespace = None if layer == "rank" else "serve"
+    ray.kill(ray.get_actor(name, namespace=namespace) if namespace else _actor(name), no_restart=True)
+    return name
+
+
+def _actor(name: str):
+    import ray
+
+    for a in ray.util.list_named_actors(all_namespaces=True):
+        if a["name"] == name:
+            return ray.get_actor(name, namespace=a["namespace"])
+    raise LookupError(name)
+
+
+def chaos(layers: list[str], until: float, every: tuple[float, float], seed: int, kills: list, stop: threading.Event,
+          in_turn: bool = False):
+    """Kill a random replica of a random layer (`in_turn`: of each layer in turn) every `every` seconds
+    until `until`; records (time, layer, name)."""
+    rng = random.Random(seed)
+    while not stop.wait(rng.uniform(*every)) and time.monotonic() < until - every[0]:
+        layer = layers[len(kills) % len(layers)] if in_turn else rng.choice(layers)
+        try:
+            kills.append((time.monotonic(), layer, kill(layer, rng)))
+        except Exception as e:  # nothing of that layer up at the moment (a replacement still starting)
+            kills.append((time.monotonic(), layer, f"not killed: {e}"))
+        print(f"  kill {kills[-1][1]}: {kills[-1][2]}", flush=True)
+
+
+def tally(outcomes: list[Outcome], kills: list, references: dict) -> dict:
+    """Per layer (and "no kill"): the figures the soak reports."""
+    rows: dict[str, list[Outcome]] = {}
+    for o in outcomes:
+        last = [k for k in kills if k[0] <= o.end and o.end - k[0] <= WINDOW_S and not k[2].startswith("not")]
+        rows.setdefault(last[-1][1] if last else "no kill", []).append(o)
+    table = {}
+    for layer, os_ in sorted(rows.items()):
+        checked = [o for o in os_ if o.spec in references and o.finished and not o.error]
+        seconds = sorted(o.seconds for o in os_ if o.finished and not o.error)
+        table[layer] = {
+            "kills": sum(1 for k in kills if k[1] == layer and not k[2].startswith("not")),
+            "sent": len(os_), "completed": sum(o.finished and not o.error for o in os_),
+            "checked": len(checked), "identical": sum(o.text == references[o.spec] for o in checked),
+            "clear_errors": sum(o.error is not None for o in os_),
+            "dropped": sum(o.dropped is not None for o in os_),
+            "silent_cuts": sum(o.cut is not None and o.error is None for o in os_),
+            "p50_s": round(seconds[len(seconds) // 2], 2) if seconds else None,
+            "p99_s": round(seconds[min(len(seconds) - 1, int(len(seconds) * 0.99))], 2) if seconds else None,
+            "differing": sorted({f"{o.spec.kind} stream={o.spec.stream} {o.spec.prompt[:20]!r}" for o in checked
+                                 if o.text != references[o.spec]}),
+            "errors": sorted({f"{o.status} {o.error.get('code')}: {o.error['message'][:50]}" for o in os_ if o.error}),
+            "cuts": sorted({o.cut[:80] for o in os_ if o.cut})[:5],
+            "drops": sorted({o.dropped[:80] for o in os_ if o.dropped})[:5],
+        }
+    return table
+
+
+def markdown(table: dict) -> str:
+    keys = ["kills", "sent", "completed", "checked", "identical", "clear_errors", "dropped", "silent_cuts", "p50_s",
+            "p99_s"]
+    lines = ["| layer killed | " + " | ".join(keys) + " |", "|---" * (len(keys) + 1) + "|"]
+    lines += [f"| {layer} | " + " | ".join(str(row[k]) for k in keys) + " |" for layer, row in table.items()]
+    return "\n".join(lines)
+
+
+def soak_config(target: str, draft: str, port: int, tp: int) -> dict:
+    from cluster.local import load_config
+
+    args = {"target": {"model": target, "dtype": "float32", "tensor_parallel_size": tp}, "draft": {"model": draft},
+            "speculation": {"draft_timeout_s": 5.0, "draft_retry_after_s": 1.0}}
+    config = load_config(args=args, port=port)
+    for d in config["applications"][0]["deployments"]:
+        d.pop("autoscaling_config", None)
+        d["num_replicas"] = 2
+    return config
+
+
+def run(target: str, draft: str, seconds: float, clients: int = 4, tp: int = 1, seed: int = 0,
+        every: tuple[float, float] = (20.0, 40.0), max_tokens: int = 32, port: int = 8011,
+        timeout_s: float = 120.0, in_turn: bool = False) -> dict:
+    """Start a local cluster, deploy two replicas of everything, soak for `seconds`; the report.
+    `in_turn`: kill each layer in turn rather than a random one."""
+    from cluster.local import LocalCluster, deploy
+
+    specs = mix(max_tokens)
+    layers = list(LAYERS) + (["rank"] if tp > 1 else [])
+    with LocalCluster():
+        deploy(soak_config(target, draft, port, tp), timeout_s=600)
+        url = f"http://127.0.0.1:{port}"
+        print(f"app up at {url}: references for {sum(s.kind != 'unseeded' for s in specs)} requests...", flush=True)
+
+        async def references() -> dict:
+            async with httpx.AsyncClient(timeout=timeout_s) as client:
+                done = [await send(client, url, s) for s in specs if s.kind != "unseeded"]
+            return {o.spec: o.text for o in done if o.finished and not o.error}
+        refs = asyncio.run(references())
+        print(f"soaking for {seconds:.0f}s with {clients} clients; kills every {every[0]:.0f}-{every[1]:.0f}s of "
+              f"{', '.join(layers)}", flush=True)
+        until, kills, stop = time.monotonic() + seconds, [], threading.Event()
+        killer = threading.Thread(target=chaos, args=(layers, until, every, seed, kills, stop, in_turn), daemon=True)
+        killer.start()
+        try:
+            outcomes = asyncio.run(load(url, specs, clients, until, seed, timeout_s))
+        finally:
+            stop.set()
+            killer.join(timeout=60)
+    table = tally(outcomes, kills, refs)
+    return {"seconds": seconds, "clients": clients, "tp": tp, "kills": [(round(t - kills[0][0], 1) if kills else 0, l, n)
+                                                                        for t, l, n in kills],
+            "references": len(refs), "table": table}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--minutes", type=float, default=10.0)
+    p.add_argument("--target", help="target model directory (default: the demo target)")
+    p.add_argument("--draft", help="draft model directory (default: the demo draft)")
+    p.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks per target replica (2 adds rank kills)")
+    p.add_argument("--clients", type=int, default=4)
+    p.add_argument("--max-tokens", type=int, default=32)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", help="write the report here")
+    args = p.parse_args(argv)
+    target, draft = args.target, args.draft
+    if not (target and draft):
+        from app.demo import demo_pair
+
+        target, draft = demo_pair()
+    report = run(target, draft, args.minutes * 60, args.clients, args.tp, args.seed, max_tokens=args.max_tokens)
+    print(markdown(report["table"]))
+    for layer, row in report["table"].items():
+        if row["errors"] or row["cuts"] or row["drops"] or row["differing"]:
+            print(f"{layer}: errors {row['errors']} drops {row['drops']} cuts {row['cuts']} "
+                  f"differing {row['differing']}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(report, f, indent=1)
+    return 0 if lost_nothing(report["table"]) else 1
+
+
+def lost_nothing(table: dict) -> bool:
+    """The soak's promise: no silent cut and no differing output anywhere, and connections dropped only
+    where the process holding them (an ingress replica) was killed."""
+    return all(row["silent_cuts"] == 0 and row["identical"] == row["checked"]
+               and (row["dropped"] == 0 or layer == "ingress") for layer, row in table.items())
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,26 @@
+"""The chaos soak (cluster/soak.py), short: two replicas of every deployment, a replica of every
+layer killed under mixed load. Nothing differs, nothing is silently cut, and only an ingress kill
+may drop connections (those the killed process held)."""
+
+import pytest
+
+from cluster import soak
+from serving import free_port, save_tiny_pair
+
+pytestmark = pytest.mark.slow
+
+
+def test_a_short_soak_with_a_kill_per_layer_loses_nothing(tmp_path):
+    target, draft = save_tiny_pair(tmp_path)
+    report = soak.run(target, draft, seconds=55, clients=3, every=(12.0, 14.0), max_tokens=16, port=free_port(),
+                      in_turn=True)
+    table = report["table"]
+    print(soak.markdown(table))
+    killed = {layer for _, layer, name in report["kills"] if not name.startswith("not")}
+    assert killed == {"draft", "target", "ingress"}, report["kills"]  # each layer once, in turn
+    assert report["references"] == 2 * len(soak.mix(16)) // 3  # greedy and seeded requests of the mix
+    assert soak.lost_nothing(table), table
+    for layer in ("target", "draft", "no kill"):
+        row = table.get(layer)
+        assert row is None or row["completed"] == row["sent"], (layer, row)
+    assert sum(row["checked"] for row in table.values()) > 0
