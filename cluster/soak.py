@@ -2,6 +2,7 @@
 replica of a random layer is killed every 20-40 s. Per layer killed it reports what the clients saw.
 
     .venv/bin/python -m cluster.soak --minutes 10 [--target DIR --draft DIR] [--tp 2] [--json out.json]
+    .venv/bin/python -m cluster.soak --overload 4     (4x the target pool's capacity at once, instead)
 
 The load: `--clients` loops, each sending requests drawn from a fixed mix (streaming or not; greedy,
 seeded or unseeded sampling; short or long prompts). Before the first kill every greedy and seeded
@@ -64,6 +65,7 @@ class Outcome:
     finished: bool = False
     error: dict | None = None  # a clear failure: OpenAI's error body or an SSE error event
     dropped: str | None = None  # the connection failed: a transport error, or the proxy's own 5xx
+    retry_after: str | None = None  # the Retry-After header of a refusal
     cut: str | None = None  # a silent cut: ended cleanly with neither a finish nor an error
 
     @property
@@ -81,7 +83,7 @@ async def send(client: httpx.AsyncClient, url: str, spec: Spec) -> Outcome:
     out = Outcome(spec, time.monotonic())
     try:
         async with client.stream("POST", f"{url}/v1/completions", json=spec.body()) as r:
-            out.status = r.status_code
+            out.status, out.retry_after = r.status_code, r.headers.get("retry-after")
             if r.status_code != 200 or not spec.stream:
                 raw = await r.aread()
                 try:
@@ -254,6 +256,43 @@ def run(target: str, draft: str, seconds: float, clients: int = 4, tp: int = 1, 
             "references": len(refs), "table": table}
 
 
+def overload(target: str, draft: str, factor: int = 4, running: int = 4, queued: int = 4, max_tokens: int = 32,
+             port: int = 8011, timeout_s: float = 300.0) -> dict:
+    """`factor` times the target pool's capacity at once (two replicas, each running `running` requests
+    and queueing `queued`): every answer must be a completion or a 503/429 with Retry-After, and every
+    accepted request must complete identically to the same request sent alone."""
+    from cluster.local import LocalCluster, deploy
+
+    config = soak_config(target, draft, port, 1)
+    for d in config["applications"][0]["deployments"]:
+        if d["name"] == "TargetServer":
+            d.update(max_ongoing_requests=running, max_queued_requests=queued)
+    capacity = 2 * (running + queued)
+    specs = [s for s in mix(max_tokens) if s.kind == "greedy"]
+    burst = [specs[i % len(specs)] for i in range(factor * capacity)]
+    with LocalCluster():
+        deploy(config, timeout_s=600)
+        url = f"http://127.0.0.1:{port}"
+
+        async def go():
+            async with httpx.AsyncClient(timeout=timeout_s, limits=httpx.Limits(max_connections=None)) as client:
+                refs = {s: (await send(client, url, s)).text for s in specs}
+                outcomes = await asyncio.gather(*(send(client, url, s) for s in burst))
+            return refs, outcomes
+        refs, outcomes = asyncio.run(go())
+    accepted = [o for o in outcomes if o.status == 200]
+    refused = [o for o in outcomes if o.status in (429, 503)]
+    return {"capacity": capacity, "sent": len(outcomes), "accepted": len(accepted),
+            "completed": sum(o.finished and not o.error for o in accepted),
+            "identical": sum(o.finished and o.text == refs[o.spec] for o in accepted),
+            "refused": len(refused), "refused_with_retry_after": sum(o.retry_after is not None for o in refused),
+            "refused_openai_body": sum(o.error is not None for o in refused),
+            "other": sorted({f"{o.status} {o.dropped or o.cut or ''}" for o in outcomes
+                             if o.status not in (200, 429, 503) or o.dropped or o.cut}),
+            "slowest_refusal_s": round(max((o.seconds for o in refused), default=0.0), 2),
+            "fastest_completion_s": round(min((o.seconds for o in accepted if o.finished), default=0.0), 2)}
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--minutes", type=float, default=10.0)
@@ -264,12 +303,20 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-tokens", type=int, default=32)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", help="write the report here")
+    p.add_argument("--overload", type=int, metavar="FACTOR",
+                   help="instead of the soak: FACTOR x the target pool's capacity at once (capacity kept small)")
     args = p.parse_args(argv)
     target, draft = args.target, args.draft
     if not (target and draft):
         from app.demo import demo_pair
 
         target, draft = demo_pair()
+    if args.overload:
+        report = overload(target, draft, args.overload, max_tokens=args.max_tokens)
+        print(json.dumps(report, indent=1))
+        ok = report["completed"] == report["identical"] == report["accepted"] and not report["other"] \
+            and report["refused"] == report["refused_with_retry_after"] == report["refused_openai_body"]
+        return 0 if ok else 1
     report = run(target, draft, args.minutes * 60, args.clients, args.tp, args.seed, max_tokens=args.max_tokens)
     print(markdown(report["table"]))
     for layer, row in report["table"].items():
