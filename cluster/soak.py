@@ -78,6 +78,23 @@ def mix(max_tokens: int) -> list[Spec]:
             for stream in (True, False)]
 
 
+async def sse_events(response: httpx.Response):
+    """The JSON events of a server-sent-events response, up to `data: [DONE]`."""
+    async for line in response.aiter_lines():
+        if line.startswith("data: ") and line != "data: [DONE]":
+            yield json.loads(line[6:])
+
+
+def take_event(out, event: dict) -> None:
+    """Apply one streamed event to an outcome (anything with text, finished and error)."""
+    if "error" in event:
+        out.error = event["error"]
+        return
+    for choice in event["choices"]:
+        out.text += choice["text"]
+        out.finished |= choice["finish_reason"] is not None
+
+
 async def send(client: httpx.AsyncClient, url: str, spec: Spec) -> Outcome:
     """One request, read to its end; what the client saw."""
     out = Outcome(spec, time.monotonic())
@@ -98,16 +115,8 @@ async def send(client: httpx.AsyncClient, url: str, spec: Spec) -> Outcome:
                 else:
                     out.cut = f"{r.status_code}: neither a completion nor an error"
                 return out
-            async for line in r.aiter_lines():
-                if not line.startswith("data: ") or line == "data: [DONE]":
-                    continue
-                event = json.loads(line[6:])
-                if "error" in event:
-                    out.error = event["error"]
-                    continue
-                for choice in event["choices"]:
-                    out.text += choice["text"]
-                    out.finished |= choice["finish_reason"] is not None
+            async for event in sse_events(r):
+                take_event(out, event)
         if not (out.finished or out.error):
             out.cut = "the stream ended without a finish or an error"
     except httpx.HTTPError as e:  # the client library raises: the connection broke, not a silent end

@@ -19,6 +19,7 @@ import httpx
 import pytest
 
 from app.engine import Engine
+from cluster.soak import sse_events, take_event
 from app.params import SamplingParams
 from serving import free_port, save_tiny_pair
 
@@ -148,16 +149,10 @@ async def stream(client: httpx.AsyncClient, url: str, prompt: str, max_tokens: i
             if r.status_code != 200:
                 out.error = json.loads(await r.aread()).get("error")
                 return out
-            async for line in r.aiter_lines():
-                if not line.startswith("data: ") or line == "data: [DONE]":
-                    continue
-                event = json.loads(line[6:])
+            async for event in sse_events(r):
+                take_event(out, event)
                 if "error" in event:
-                    out.error = event["error"]
                     continue
-                for choice in event["choices"]:
-                    out.text += choice["text"]
-                    out.finished |= choice["finish_reason"] is not None
                 out.speculation = event.get("speculation") or out.speculation
                 chunks += 1
                 if started is not None:
