@@ -316,6 +316,11 @@ class ChoiceView:
         self.echo, self.prompt_ids = echo, prompt_ids or []
         self.offset = 0  # characters of this choice's text so far: the next token's text_offset
 
+    def resume(self, streamed_chars: int) -> None:
+        """Continue a choice whose echo and first `streamed_chars` characters of output were streamed already."""
+        self.offset = len(self.echo or "") + streamed_chars
+        self.echo = None
+
     def render(self, chunk: dict) -> tuple[str, dict | None]:
         """A chunk's text and logprobs (None when not asked for); the first chunk carries the echo."""
         text, ids, entries = chunk.get("text", ""), list(chunk.get("token_ids", ())), chunk.get("logprobs")

@@ -21,7 +21,10 @@ DRAFT_POOL, TARGET_POOL = "draft_pool", "target_pool"
 # replica code runs on the replica's main event loop, not a second thread. Measured with
 # `specserve bench --url` at 16 streams: 190 -> 250 tok/s target-only, 163 -> 280 speculative;
 # the second user-code thread was fighting the forward thread for the GIL on every chunk.
-SERVE_ENV = {"RAY_SERVE_THROUGHPUT_OPTIMIZED": "1"}
+# The proxy callback installs HTTP failover in Serve's proxy: a request whose ingress replica dies
+# is sent again and a stream continues where it was cut (deployments/failover.py).
+SERVE_ENV = {"RAY_SERVE_THROUGHPUT_OPTIMIZED": "1",
+             "RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH": "deployments.failover.proxy_middlewares"}
 
 
 class LocalCluster:

@@ -9,6 +9,7 @@ import asyncio
 import hmac
 import json
 import os
+import secrets
 import uuid
 
 import prometheus_client
@@ -32,6 +33,7 @@ from app.openai_protocol import (MAX_CHOICES, ChatCompletionRequest, ChoiceView,
                                  usage_body)
 from app.params import SamplingParams, SpeculationParams, check_vocabulary
 from deployments.config import AppConfig
+from deployments.failover import GUARD_HEADER, RESUME_HEADER, ChoiceResume, marker, read_resume
 from deployments.metrics import VLLMSpecDecodeCounters
 from deployments.router import Router
 
@@ -303,8 +305,14 @@ class Ingress:
                 echoed = (p if isinstance(p := body.prompts()[i], str) else self.tokenizer.decode(ids)) if echo else None
                 views.append(ChoiceView(self.tokenizer, chat, sampling.logprobs is not None, echoed, ids,
                                         self._token_bytes))
-        rid = new_id("chatcmpl" if chat else "cmpl")
-        streams = [self.router.generate(uuid.uuid4().hex, ids, params, telemetry.carrier(span)) for ids, params in jobs]
+        resume = self._resume(request, body, len(jobs))
+        starts = resume.choices if resume else [ChoiceResume(seed=p["seed"] if p["seed"] is not None
+                                                             else secrets.randbits(62)) for _, p in jobs]
+        rid = resume.rid if resume else new_id("chatcmpl" if chat else "cmpl")
+        live = [i for i, c in enumerate(starts) if not c.done]
+        for i in live if resume else ():
+            views[i].resume(starts[i].chars)
+        streams = [self.router.generate(uuid.uuid4().hex, *jobs[i], telemetry.carrier(span), starts[i]) for i in live]
         deadline = asyncio.get_running_loop().time() + self.cfg.limits.request_timeout_s
         prompt_tokens = sum(len(ids) for ids in prompts)  # each prompt counted once, whatever n
         # errors before any token get a proper status
@@ -318,8 +326,10 @@ class Ingress:
             include_usage = bool(options and options.include_usage)
             # as vLLM: usage on every chunk when both are asked for
             continuous = include_usage and options.continuous_usage_stats
-            return StreamingResponse(self._sse(rid, firsts, streams, views, deadline, chat, include_usage,
-                                               prompt_tokens, continuous, span), media_type="text/event-stream")
+            report = request.headers.get(GUARD_HEADER.decode()) == "1"  # the proxy's failover keeps the state
+            return StreamingResponse(self._sse(rid, live, firsts, streams, views, deadline, chat, include_usage,
+                                               prompt_tokens, continuous, span, starts if report else None),
+                                     media_type="text/event-stream")
         try:
             done = await _all_or_stop([self._rest(s, f, v, deadline) for s, f, v in zip(streams, firsts, views)],
                                       streams)
@@ -330,6 +340,17 @@ class Ingress:
                    for i, (text, last, logprobs) in enumerate(done)]
         return completion_body(rid, self.model_name, choices, None, usage,
                                combined_speculation([last["speculation"] for _, last, _ in done]), chat, delta=False)
+
+    def _resume(self, request: Request, body, choices: int):
+        """Where a stream another ingress replica began stands (set by the proxy's failover), or None."""
+        try:
+            resume = read_resume(request.headers.get(RESUME_HEADER.decode()))
+        except ValueError as e:
+            raise APIError(400, str(e), "invalid_request_error") from None
+        if resume is not None and (not body.stream or len(resume.choices) != choices):
+            raise APIError(400, f"{RESUME_HEADER.decode()} does not match this request: it resumes a stream of "
+                           f"{len(resume.choices)} choices", "invalid_request_error")
+        return resume
 
     def _token_bytes(self, token: int) -> bytes:
         """A token's own bytes, as llguidance reads the tokenizer; its text's where it cannot."""
@@ -380,10 +401,13 @@ class Ingress:
         except StopAsyncIteration:
             raise APIError(503, "generation ended without a result", "service_unavailable") from None
 
-    async def _sse(self, rid: str, firsts: list[dict], streams: list, views: list[ChoiceView], deadline: float,
-                   chat: bool, include_usage: bool, prompt_tokens: int, continuous: bool, span=None):
+    async def _sse(self, rid: str, live: list[int], firsts: list[dict], streams: list, views: list[ChoiceView],
+                   deadline: float, chat: bool, include_usage: bool, prompt_tokens: int, continuous: bool, span=None,
+                   starts: list[ChoiceResume] | None = None):
         """The generations as one stream of server-sent events, each chunk naming its choice's index;
-        with `continuous`, every chunk carries the usage so far."""
+        with `continuous`, every chunk carries the usage so far. `live`: the choices generated here
+        (a resumed stream's finished ones are not), in the order of `streams`. With `starts`, each
+        event goes with a report of the state it leaves its choice in (deployments/failover.py)."""
         queue: asyncio.Queue = asyncio.Queue()
 
         async def pump(index: int, stream, chunk: dict) -> None:
@@ -396,10 +420,15 @@ class Ingress:
                 except APIError as e:
                     chunk = error_body(e.message, e.type, e.param, e.code)
 
-        pumps = [asyncio.ensure_future(pump(i, s, f)) for i, (s, f) in enumerate(zip(streams, firsts))]
-        completion, finals = [0] * len(streams), {}
+        pumps = [asyncio.ensure_future(pump(i, s, f)) for i, s, f in zip(live, streams, firsts)]
+        everyone = starts or [ChoiceResume(seed=0) for _ in views]
+        completion = [len(c.ids) for c in everyone]
+        finals = {i: {"usage": {"completion_tokens": len(c.ids)}, "speculation": None}
+                  for i, c in enumerate(everyone) if i not in live}
+        if starts is not None:
+            yield marker({"rid": rid, "seeds": [c.seed for c in starts]})
         try:
-            while len(finals) < len(streams):
+            while len(finals) < len(views):
                 index, chunk = await queue.get()
                 if chunk.get("error"):
                     yield sse_event({"error": chunk["error"]})
@@ -407,20 +436,28 @@ class Ingress:
                 finish = chunk.get("finish_reason")
                 completion[index] += len(chunk.get("token_ids", ()))
                 text, logprobs = views[index].render(chunk)
+                event = ""
                 if text or finish or (logprobs and any(logprobs.values())):
                     spec = chunk.get("speculation") if finish and not include_usage else None
                     usage = usage_body(prompt_tokens, sum(completion)) if continuous else None
-                    yield sse_event(completion_body(rid, self.model_name, text, finish, usage, spec,
-                                                 chat, delta=True, index=index, logprobs=logprobs))
+                    event = sse_event(completion_body(rid, self.model_name, text, finish, usage, spec,
+                                                      chat, delta=True, index=index, logprobs=logprobs))
+                if starts is not None:  # one message: the client's event and its state arrive together or not at all
+                    event += marker({"i": index, "ids": chunk.get("token_ids", []), "chars": len(chunk.get("text", "")),
+                                     "ctl": chunk.get("controller"), "done": bool(finish)})
+                if event:
+                    yield event
                 if finish:
                     finals[index] = chunk
                     self.spec_counters.count(chunk["speculation"])
             else:
                 if include_usage:
+                    # a resumed stream lacks the figures of choices finished before: those of the rest
+                    specs = [finals[i]["speculation"] for i in sorted(finals) if finals[i]["speculation"] is not None]
                     usage_chunk = completion_body(
                         rid, self.model_name, [], None,
                         usage_body(prompt_tokens, sum(f["usage"]["completion_tokens"] for f in finals.values())),
-                        combined_speculation([finals[i]["speculation"] for i in sorted(finals)]), chat, delta=True)
+                        combined_speculation(specs) if specs else None, chat, delta=True)
                     yield sse_event(usage_chunk)
         finally:
             await _stop(pumps, streams)  # a client that went away stops the generations and frees their caches

@@ -28,6 +28,7 @@ from app import telemetry
 from app.params import SamplingParams
 from app.request import GenerationJob
 from deployments.config import AppConfig
+from deployments.failover import ChoiceResume
 from deployments.metrics import RouterMetrics
 from deployments.tp import RankFailure
 
@@ -71,17 +72,20 @@ class Router:
         self.metrics = RouterMetrics()
 
     async def generate(self, request_id: str, prompt_ids: list[int], params: dict,
-                       trace: dict | None = None) -> AsyncIterator[dict]:
-        """Stream {token_ids, text} per round, then {finish_reason, usage, speculation} (or {error}).
+                       trace: dict | None = None, start: ChoiceResume | None = None) -> AsyncIterator[dict]:
+        """Stream {token_ids, text, controller} per round, then {finish_reason, usage, speculation} (or {error}).
 
-        `trace`: the caller's W3C trace context; the generation span is its child.
+        `trace`: the caller's W3C trace context; the generation span is its child. `start`: where the
+        request stands when it continues a stream an ingress replica began (deployments/failover.py),
+        or just its draw seed.
         """
         sp = SamplingParams.model_validate(params)
         span = telemetry.start_span("generate", trace, {"specserve.prompt_tokens": len(prompt_ids),
                                                         "specserve.max_tokens": sp.max_tokens})
-        # the seed is chosen once here, so a resumed request keeps its draws
-        job = GenerationJob(request_id, list(prompt_ids), params, sp.seed if sp.seed is not None else secrets.randbits(62),
-                            trace=telemetry.carrier(span))
+        start = start or ChoiceResume(seed=sp.seed if sp.seed is not None else secrets.randbits(62))
+        # the seed is chosen once, so a resumed request keeps its draws
+        job = GenerationJob(request_id, list(prompt_ids), params, start.seed, list(start.ids), start.chars,
+                            tuple(start.ctl) if start.ctl is not None else None, trace=telemetry.carrier(span))
         self.active += 1
         self.metrics.set_active(self.active)
         start, first = time.perf_counter(), None
@@ -90,7 +94,6 @@ class Router:
                 if first is None and chunk.get("token_ids"):
                     first = time.perf_counter()
                     self.metrics.ttft.observe(first - start)
-                chunk.pop("controller", None)
                 yield chunk
         finally:
             self.active -= 1

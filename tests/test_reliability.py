@@ -1,7 +1,7 @@
 """Faults, overload, cancellation, deadlines and KV memory on a live local cluster, each with figures.
 
 One cluster for the module; two deployments of the app on it, one after the other:
-- "faults": two TargetServer replicas, one DraftServer (kill one of each mid-load);
+- "faults": two TargetServer replicas, one DraftServer, one Ingress (kill one of each mid-load);
 - "limits": one replica each, a tiny TargetServer queue and small KV budgets (overload, disconnect,
   soak, a lone target's restart).
 Every request has a timeout and every loop a bound; all traffic stays on loopback.
@@ -242,6 +242,18 @@ def test_target_killed_with_two_replicas_loses_nothing(deployed, reference):
         "target killed (2 replicas)", timeout_s=120)
     assert figures["completed"] == figures["sent"] and figures["differing"] == 0
     assert restored, "no replacement target replica within 120 s"
+
+
+@pytest.mark.slow
+def test_lone_ingress_killed_mid_stream_every_stream_continues_identically(deployed, reference):
+    """The ingress holds its requests' router state: killed mid-stream, each stream continues on its
+    replacement from what it had streamed (the proxy's failover, deployments/failover.py)."""
+    url = deployed("faults")
+    _, figures, restored = fault_run(
+        url, reference, PROMPTS, "Ingress",
+        lambda killed: running("Ingress") == 1 and killed not in replicas("Ingress"), "ingress killed (1 replica)")
+    assert figures["completed"] == figures["sent"] and figures["differing"] == 0, figures
+    assert restored, "no replacement ingress replica within 90 s"
 
 
 # -- limits --------------------------------------------------------------------------------------

@@ -1,6 +1,6 @@
 """The chaos soak (cluster/soak.py), short: two replicas of every deployment, a replica of every
-layer killed under mixed load. Nothing differs, nothing is silently cut, and only an ingress kill
-may drop connections (those the killed process held)."""
+layer killed under mixed load. Nothing differs, nothing is cut, every request completes (an
+ingress kill included: the proxy's failover continues its streams elsewhere)."""
 
 import pytest
 
@@ -20,7 +20,6 @@ def test_a_short_soak_with_a_kill_per_layer_loses_nothing(tmp_path):
     assert killed == {"draft", "target", "ingress"}, report["kills"]  # each layer once, in turn
     assert report["references"] == 2 * len(soak.mix(16)) // 3  # greedy and seeded requests of the mix
     assert soak.lost_nothing(table), table
-    for layer in ("target", "draft", "no kill"):
-        row = table.get(layer)
-        assert row is None or row["completed"] == row["sent"], (layer, row)
+    for layer, row in table.items():
+        assert row["completed"] == row["sent"], (layer, row)
     assert sum(row["checked"] for row in table.values()) > 0

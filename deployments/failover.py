@@ -1,0 +1,247 @@
+"""HTTP failover: an ASGI middleware in Serve's HTTP proxy that resumes requests whose ingress died.
+
+A request's router state lives in its ingress replica (deployments/router.py): an ingress replica
+that dies takes it along. The Serve proxy holding the client's connection does not die with it, so
+Serve installs this middleware there (RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH, see
+`proxy_middlewares`). It keeps the request's body and, for a stream, the state the ingress reports
+beside each event (hidden SSE comments it removes: clients never see them), and when the ingress's
+response breaks off it sends the request again, which Serve places on a live ingress replica:
+
+- nothing reached the client yet (a unary request, a stream before its first event): the request
+  again, from scratch;
+- a stream cut part-way: the request again, with the state in the `x-specserve-resume` header; the
+  new ingress continues every choice from its streamed tokens, draw seed and K controller state, so
+  greedy and seeded output continue identically (unseeded ones keep their seed: the same law) and
+  nothing streamed repeats or goes missing;
+- after `retries` attempts, a clear error: 503 with OpenAI's body and Retry-After, or, once the
+  stream has begun, an SSE error event and [DONE]. Never a silent end.
+
+Written by hand: Serve retries nothing once a replica holds a request, and the proxy is the one
+process on the HTTP path that outlives the ingress replica. Only the proxy's own death cuts a
+connection with nothing said.
+"""
+
+import asyncio
+import json
+import logging
+
+from pydantic import BaseModel, Field, ValidationError, conlist, field_validator
+
+log = logging.getLogger("ray.serve")
+
+GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions")
+GUARD_HEADER = b"x-specserve-failover"  # set by the middleware: the ingress then reports its state
+RESUME_HEADER = b"x-specserve-resume"  # the state a resumed request continues from
+MARKER = b": specserve "  # an SSE comment carrying state: clients ignore comments, the middleware removes them
+RETRY_AFTER_S = 1
+
+
+class ChoiceResume(BaseModel):
+    """Where one choice of a request stands: enough for another replica to continue it."""
+
+    seed: int = Field(description="the choice's draw seed (its own, or the one the ingress chose)")
+    ids: list[int] = Field(default_factory=list, description="output token ids already streamed")
+    chars: int = Field(default=0, ge=0, description="characters of output text already streamed")
+    ctl: conlist(float, min_length=3, max_length=3) | None = Field(
+        default=None, description="the K controller's state after the last streamed round")
+    done: bool = Field(default=False, description="whether the choice's final chunk was streamed")
+
+    @field_validator("ctl")
+    @classmethod
+    def _counts(cls, v):
+        if v is not None and min(v) < 0:
+            raise ValueError("controller counts must be >= 0")
+        return v
+
+
+class Resume(BaseModel):
+    """A streamed request's state, as the middleware sends it in RESUME_HEADER."""
+
+    rid: str = Field(max_length=128, description="the response id the client has seen")
+    choices: list[ChoiceResume] = Field(description="each choice's state, in the response's order")
+
+    def apply(self, step: dict) -> None:
+        """Take in one event's report: {i, ids, chars, ctl, done} of choice i."""
+        c = self.choices[step["i"]]
+        c.ids += step["ids"]
+        c.chars += step["chars"]
+        c.ctl = step["ctl"] if step.get("ctl") is not None else c.ctl
+        c.done = c.done or step["done"]
+
+
+def marker(report: dict) -> str:
+    """A state report as the SSE comment the ingress writes beside an event."""
+    return f"{MARKER.decode()}{json.dumps(report, separators=(',', ':'))}\n\n"
+
+
+def read_resume(value: str | None) -> Resume | None:
+    """RESUME_HEADER's value; ValueError when it is not a valid state."""
+    if value is None:
+        return None
+    try:
+        return Resume.model_validate_json(value)
+    except ValidationError as e:
+        raise ValueError(f"invalid {RESUME_HEADER.decode()} header: {e.errors()[0]['msg']}") from None
+
+
+def proxy_middlewares() -> list:
+    """Serve's proxy callback: the failover middleware in the proxy, nothing in a replica (whose
+    direct-ingress server asks the same callback)."""
+    from ray import serve
+    from ray.serve.exceptions import RayServeException
+    from starlette.middleware import Middleware
+
+    try:
+        serve.get_replica_context()
+        return []
+    except RayServeException:
+        return [Middleware(FailoverMiddleware)]
+
+
+def error_event(message: str) -> bytes:
+    body = {"error": {"message": message, "type": "service_unavailable", "param": None, "code": 503}}
+    return f"data: {json.dumps(body)}\n\ndata: [DONE]\n\n".encode()
+
+
+def error_response(message: str) -> list[dict]:
+    body = json.dumps({"error": {"message": message, "type": "service_unavailable", "param": None,
+                                 "code": 503}}).encode()
+    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
+               (b"retry-after", str(RETRY_AFTER_S).encode())]
+    return [{"type": "http.response.start", "status": 503, "headers": headers},
+            {"type": "http.response.body", "body": body, "more_body": False}]
+
+
+class Attempt:
+    """One pass of the request through the inner app, relayed to the client.
+
+    The response start is held until its first body message (a unary response that breaks before
+    its body can still be sent again); a resumed attempt's start is dropped (the client has one);
+    stream bodies are relayed event by event with the state markers taken out.
+    """
+
+    def __init__(self, send, client_started: bool, state: Resume | None):
+        self.send, self.client_started, self.state = send, client_started, state
+        self.start: dict | None = None
+        self.status = 0
+        self.sse = False
+        self.finished = False  # the body ended (more_body False)
+        self.pending = b""  # a stream's bytes after its last complete event
+        self.held = b""  # a resumed attempt's non-stream answer (an error), to be told as an event
+
+    async def relay(self, message: dict) -> None:
+        kind = message["type"]
+        if kind == "http.response.start":
+            self.start, self.status = message, message["status"]
+            ctype = dict(message.get("headers") or []).get(b"content-type", b"")
+            self.sse = ctype.startswith(b"text/event-stream")
+            return
+        if kind != "http.response.body":
+            await self.send(message)
+            return
+        more = message.get("more_body", False)
+        self.finished = not more
+        if self.client_started and not (self.sse and self.status == 200):
+            self.held += message.get("body", b"")  # a resumed attempt refused: told as an event by the caller
+            return
+        body = self._events(message.get("body", b""), final=not more) if self.sse else message.get("body", b"")
+        if not self.client_started:
+            await self.send(self.start)
+            self.client_started = True
+        if body or not more:
+            await self.send({"type": "http.response.body", "body": body, "more_body": more})
+
+    def _events(self, data: bytes, final: bool) -> bytes:
+        """The complete events in pending + data, markers applied to the state and removed."""
+        self.pending += data
+        *events, self.pending = self.pending.split(b"\n\n")
+        if final and self.pending:
+            events, self.pending = events + [self.pending], b""
+        out = []
+        for event in events:
+            if event.startswith(MARKER):
+                self._report(json.loads(event[len(MARKER):]))
+            elif event:
+                out.append(event + b"\n\n")
+        return b"".join(out)
+
+    def _report(self, report: dict) -> None:
+        if "rid" in report:  # the stream's head: its id and each choice's seed (kept from the first attempt)
+            if self.state is None:
+                self.state = Resume(rid=report["rid"], choices=[ChoiceResume(seed=s) for s in report["seeds"]])
+        elif self.state is not None:
+            self.state.apply(report)
+
+
+class FailoverMiddleware:
+    """See the module docstring. `retries`: attempts after the first; `backoff_s`: the first wait,
+    doubled up to `max_backoff_s`. The defaults wait ~20 s in all: enough for Serve to replace a lone
+    ingress replica, while a second replica takes the request at the first retry."""
+
+    def __init__(self, app, retries: int = 12, backoff_s: float = 0.25, max_backoff_s: float = 2.0,
+                 sleep=asyncio.sleep):
+        self.app, self.retries, self.sleep = app, retries, sleep
+        self.backoff_s, self.max_backoff_s = backoff_s, max_backoff_s
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http" or scope["method"] != "POST" or scope["path"] not in GENERATION_PATHS:
+            return await self.app(scope, receive, send)
+        body, gone = await _read_body(receive)
+        if gone:
+            return
+        client = {"gone": False}
+        headers = [(k, v) for k, v in scope["headers"] if not k.startswith(b"x-specserve-")]
+        headers.append((GUARD_HEADER, b"1"))
+        started, state, why = False, None, "the ingress replica stopped"
+        for attempt in range(self.retries + 1):
+            if attempt:
+                await self.sleep(min(self.backoff_s * 2 ** (attempt - 1), self.max_backoff_s))
+            resume = [(RESUME_HEADER, state.model_dump_json().encode())] if state is not None else []
+            run = Attempt(send, started, state)
+            try:
+                await self.app({**scope, "headers": headers + resume}, _replay(body, receive, client), run.relay)
+                why = run.held.decode(errors="replace")[:300] if run.held else "the ingress replica stopped"
+            except Exception as e:  # the proxy's own failure to reach a replica
+                why = f"{type(e).__name__}: {e}"
+            started, state = run.client_started, run.state
+            if client["gone"] or (run.finished and not run.held):
+                return  # answered (a refusal with its own body included), or nobody is listening
+            if started and state is None:
+                break  # part of a response the ingress gave no state for (not a stream): nothing to resume from
+            log.warning("failover: %s broke off (%s), attempt %d of %d", scope["path"], why, attempt + 1,
+                        self.retries + 1)
+        message = f"the server could not finish this request ({why}); retry it"
+        if started:
+            await send({"type": "http.response.body", "body": error_event(message), "more_body": False})
+        else:
+            for m in error_response(message):
+                await send(m)
+
+
+async def _read_body(receive) -> tuple[bytes, bool]:
+    """The whole request body, and whether the client went away before sending it."""
+    parts = []
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            return b"", True
+        parts.append(message.get("body", b""))
+        if not message.get("more_body", False):
+            return b"".join(parts), False
+
+
+def _replay(body: bytes, receive, client: dict):
+    """A receive() that gives the kept body first, then waits on the client (its disconnect)."""
+    sent = False
+
+    async def replay():
+        nonlocal sent
+        if not sent:
+            sent = True
+            return {"type": "http.request", "body": body, "more_body": False}
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            client["gone"] = True
+        return message
+
+    return replay
