@@ -241,3 +241,19 @@ def test_resume_state_is_checked():
     with pytest.raises(ValueError):
         read_resume('{"rid": "x", "choices": [{"seed": 1, "chars": -1}]}')
     assert read_resume(None) is None
+
+
+def test_a_resumed_view_neither_echoes_again_nor_restarts_its_text_offsets(tokenizer):
+    from app.openai_protocol import ChoiceView
+
+    ids = tokenizer("def f(x):")["input_ids"]
+    whole = ChoiceView(tokenizer, chat=False, logprobs=True, echo="def f(x):", prompt_ids=ids)
+    entry = [-0.5, [[ids[0], -0.5]]]
+    first, second = {"text": "ab", "token_ids": [ids[0]], "logprobs": [entry]}, \
+        {"text": "cd", "token_ids": [ids[1]], "logprobs": [entry]}
+    whole.render(first)
+    _, want = whole.render(second)
+    resumed = ChoiceView(tokenizer, chat=False, logprobs=True, echo="def f(x):", prompt_ids=ids)
+    resumed.resume(streamed_chars=len(first["text"]))
+    text, got = resumed.render(second)
+    assert text == "cd" and got == want
