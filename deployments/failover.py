@@ -27,6 +27,8 @@ import logging
 
 from pydantic import BaseModel, Field, ValidationError, conlist, field_validator
 
+from app.params import MAX_SEED, MIN_SEED
+
 log = logging.getLogger("ray.serve")
 
 GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions")
@@ -39,7 +41,7 @@ RETRY_AFTER_S = 1
 class ChoiceResume(BaseModel):
     """Where one choice of a request stands: enough for another replica to continue it."""
 
-    seed: int = Field(description="the choice's draw seed (its own, or the one the ingress chose)")
+    seed: int = Field(ge=MIN_SEED, le=MAX_SEED, description="the choice's draw seed (its own, or the one the ingress chose)")
     ids: list[int] = Field(default_factory=list, description="output token ids already streamed")
     chars: int = Field(default=0, ge=0, description="characters of output text already streamed")
     ctl: conlist(float, min_length=3, max_length=3) | None = Field(

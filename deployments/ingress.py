@@ -305,7 +305,7 @@ class Ingress:
                 echoed = (p if isinstance(p := body.prompts()[i], str) else self.tokenizer.decode(ids)) if echo else None
                 views.append(ChoiceView(self.tokenizer, chat, sampling.logprobs is not None, echoed, ids,
                                         self._token_bytes))
-        resume = self._resume(request, body, len(jobs))
+        resume = self._resume(request, body, jobs)
         starts = resume.choices if resume else [ChoiceResume(seed=p["seed"] if p["seed"] is not None
                                                              else secrets.randbits(62)) for _, p in jobs]
         rid = resume.rid if resume else new_id("chatcmpl" if chat else "cmpl")
@@ -341,15 +341,24 @@ class Ingress:
         return completion_body(rid, self.model_name, choices, None, usage,
                                combined_speculation([last["speculation"] for _, last, _ in done]), chat, delta=False)
 
-    def _resume(self, request: Request, body, choices: int):
-        """Where a stream another ingress replica began stands (set by the proxy's failover), or None."""
+    def _resume(self, request: Request, body, jobs: list[tuple[list[int], dict]]):
+        """Where a stream another ingress replica began stands (set by the proxy's failover), or None;
+        checked like any input (whoever reaches a replica can send the header)."""
+        name = RESUME_HEADER.decode()
         try:
-            resume = read_resume(request.headers.get(RESUME_HEADER.decode()))
+            resume = read_resume(request.headers.get(name))
         except ValueError as e:
             raise APIError(400, str(e), "invalid_request_error") from None
-        if resume is not None and (not body.stream or len(resume.choices) != choices):
-            raise APIError(400, f"{RESUME_HEADER.decode()} does not match this request: it resumes a stream of "
+        if resume is None:
+            return None
+        if not body.stream or len(resume.choices) != len(jobs):
+            raise APIError(400, f"{name} does not match this request: it resumes a stream of "
                            f"{len(resume.choices)} choices", "invalid_request_error")
+        vocab = len(self.tokenizer)
+        for c, (_, params) in zip(resume.choices, jobs):
+            if len(c.ids) > params["max_tokens"] or any(not 0 <= t < vocab for t in c.ids):
+                raise APIError(400, f"{name} holds more than max_tokens tokens or ids outside [0, {vocab})",
+                               "invalid_request_error")
         return resume
 
     def _token_bytes(self, token: int) -> bytes:

@@ -4,6 +4,7 @@ and the client sees exactly the undisturbed stream; when nothing answers, a clea
 
 import asyncio
 import json
+from types import SimpleNamespace
 
 import pytest
 
@@ -257,3 +258,27 @@ def test_a_resumed_view_neither_echoes_again_nor_restarts_its_text_offsets(token
     resumed.resume(streamed_chars=len(first["text"]))
     text, got = resumed.render(second)
     assert text == "cd" and got == want
+
+
+def test_an_ingress_answers_resume_state_that_does_not_fit_the_request_with_a_400(tokenizer):
+    from deployments.ingress import APIError, Ingress
+
+    me, jobs = SimpleNamespace(tokenizer=tokenizer), [([1, 2], {"max_tokens": 4})]
+
+    def resume(state, stream=True):
+        request = SimpleNamespace(headers={RESUME_HEADER.decode(): state})
+        return Ingress._resume(me, request, SimpleNamespace(stream=stream), jobs)
+
+    def state(*choices):
+        return json.dumps({"rid": "cmpl-1", "choices": list(choices)})
+    assert resume(state({"seed": 1, "ids": [3, 4], "chars": 2})).choices[0].ids == [3, 4]
+    assert Ingress._resume(me, SimpleNamespace(headers={}), SimpleNamespace(stream=True), jobs) is None
+    for bad, stream in [(state({"seed": 1, "ids": [len(tokenizer)]}), True),  # outside the vocabulary
+                        (state({"seed": 1, "ids": [1] * 5}), True),  # more than max_tokens
+                        (state({"seed": 1}, {"seed": 2}), True),  # two choices for one
+                        (state({"seed": 2**63}), True),  # a seed no generator takes
+                        ("not json", True),
+                        (state({"seed": 1}), False)]:  # a unary request has no stream to resume
+        with pytest.raises(APIError) as e:
+            resume(bad, stream)
+        assert e.value.status == 400 and RESUME_HEADER.decode() in e.value.message
