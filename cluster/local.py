@@ -16,6 +16,11 @@ import yaml
 
 CONFIG = Path(__file__).with_name("serve_config.yaml")
 DRAFT_POOL, TARGET_POOL = "draft_pool", "target_pool"
+# Ray waits a fixed 30 s for a new node's raylet to register with the GCS; on a loaded machine one
+# slow GCS call can use all of it (seen once in three suite runs beside a CPU burner). Starting the
+# nodes again then succeeds: a startup timeout is retried, other errors are not.
+STARTUP_ATTEMPTS = 3
+STARTUP_TIMEOUT = "timed out during startup"
 # Ray Serve's own throughput profile, on every process of the cluster (the k8s manifests set the same): the
 # ingress replica answers HTTP itself (direct ingress), deployments call each other over gRPC, and
 # replica code runs on the replica's main event loop, not a second thread. Measured with
@@ -61,13 +66,32 @@ class LocalCluster:
         head = {**common, "resources": {TARGET_POOL: self.slots}}
         if self.system_config:
             head["_system_config"] = self.system_config  # the head's system config applies cluster-wide
-        with _environment(SERVE_ENV):  # the nodes' processes inherit it; this one (a driver) does not
-            self.cluster = Cluster(initialize_head=True, connect=False, head_node_args=head)
-            for _ in range(self.draft_nodes):
-                self.cluster.add_node(num_cpus=self.cpus, resources={DRAFT_POOL: self.slots}, node_ip_address="127.0.0.1")
-        self.cluster.wait_for_nodes()
+        self._start_with_retries(Cluster, head, common)
         ray.init(address=self.cluster.address, namespace="specserve", log_to_driver=False)
         return self
+
+    def _start_with_retries(self, cluster_cls, head: dict, common: dict) -> None:
+        for attempt in range(STARTUP_ATTEMPTS):
+            try:
+                return self._start_nodes(cluster_cls, head, common)
+            except Exception as e:
+                if STARTUP_TIMEOUT not in str(e) or attempt == STARTUP_ATTEMPTS - 1:
+                    raise
+                print(f"local cluster: a node timed out starting ({e}); starting the nodes again", flush=True)
+                self._stop_nodes()
+
+    def _start_nodes(self, cluster_cls, head: dict, common: dict) -> None:
+        with _environment(SERVE_ENV):  # the nodes' processes inherit it; this one (a driver) does not
+            self.cluster = cluster_cls(initialize_head=True, connect=False, head_node_args=head)
+            for _ in range(self.draft_nodes):
+                self.cluster.add_node(num_cpus=self.cpus, resources={DRAFT_POOL: self.slots},
+                                      node_ip_address=common["node_ip_address"])
+        self.cluster.wait_for_nodes()
+
+    def _stop_nodes(self) -> None:
+        if self.cluster is not None:
+            self.cluster.shutdown()
+            self.cluster = None
 
     @property
     def address(self) -> str:
@@ -83,8 +107,7 @@ class LocalCluster:
             serve.shutdown()
         finally:
             ray.shutdown()
-            self.cluster.shutdown()
-            self.cluster = None
+            self._stop_nodes()
 
 
 @contextlib.contextmanager

@@ -88,12 +88,12 @@ class Router:
                             tuple(start.ctl) if start.ctl is not None else None, trace=telemetry.carrier(span))
         self.active += 1
         self.metrics.set_active(self.active)
-        start, first = time.perf_counter(), None
+        began, first = time.perf_counter(), None
         try:
             async for chunk in self._run(job):
                 if first is None and chunk.get("token_ids"):
                     first = time.perf_counter()
-                    self.metrics.ttft.observe(first - start)
+                    self.metrics.ttft.observe(first - began)
                 yield chunk
         finally:
             self.active -= 1

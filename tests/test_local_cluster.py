@@ -1,0 +1,57 @@
+"""The local cluster starts its nodes again when Ray times out waiting for one (a loaded machine),
+and only then."""
+
+import pytest
+
+from cluster import local
+
+
+class FlakyCluster:
+    """Stands in for ray.cluster_utils.Cluster: its first `failures` draft nodes fail as Ray's do."""
+
+    made, failures, error = [], 1, "The current node timed out during startup. This could happen because ..."
+
+    def __init__(self, **kwargs):
+        self.nodes, self.down = ["head"], False
+        FlakyCluster.made.append(self)
+
+    def add_node(self, **kwargs):
+        if FlakyCluster.failures:
+            FlakyCluster.failures -= 1
+            raise Exception(FlakyCluster.error)
+        self.nodes.append(kwargs["resources"])
+
+    def wait_for_nodes(self):
+        pass
+
+    def shutdown(self):
+        self.down = True
+
+
+@pytest.fixture
+def flaky(monkeypatch):
+    FlakyCluster.made, FlakyCluster.failures = [], 1
+    monkeypatch.setattr(local, "SERVE_ENV", {})
+    return FlakyCluster
+
+
+def start(cluster: local.LocalCluster, cls) -> None:
+    cluster._start_with_retries(cls, {"num_cpus": 1}, {"node_ip_address": "127.0.0.1"})
+
+
+def test_a_node_that_times_out_starting_gets_the_nodes_started_again(flaky):
+    cluster = local.LocalCluster(draft_nodes=1)
+    start(cluster, flaky)
+    first, second = flaky.made
+    assert first.down and not second.down  # the half-started cluster was stopped
+    assert cluster.cluster is second and second.nodes == ["head", {local.DRAFT_POOL: cluster.slots}]
+
+
+def test_other_start_errors_and_the_last_timeout_are_raised(flaky):
+    flaky.error = "port in use"
+    with pytest.raises(Exception, match="port in use"):
+        start(local.LocalCluster(), flaky)
+    flaky.error, flaky.failures = f"node {local.STARTUP_TIMEOUT}", local.STARTUP_ATTEMPTS
+    with pytest.raises(Exception, match=local.STARTUP_TIMEOUT):
+        start(local.LocalCluster(), flaky)
+    assert len(flaky.made) == 1 + local.STARTUP_ATTEMPTS
