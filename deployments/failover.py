@@ -27,6 +27,7 @@ import logging
 
 from pydantic import BaseModel, Field, ValidationError, conlist, field_validator
 
+from app.openai_protocol import error_body, sse_event
 from app.params import MAX_SEED, MIN_SEED
 
 log = logging.getLogger("ray.serve")
@@ -101,13 +102,11 @@ def proxy_middlewares() -> list:
 
 
 def error_event(message: str) -> bytes:
-    body = {"error": {"message": message, "type": "service_unavailable", "param": None, "code": 503}}
-    return f"data: {json.dumps(body)}\n\ndata: [DONE]\n\n".encode()
+    return (sse_event(error_body(message, "service_unavailable", code=503)) + "data: [DONE]\n\n").encode()
 
 
 def error_response(message: str) -> list[dict]:
-    body = json.dumps({"error": {"message": message, "type": "service_unavailable", "param": None,
-                                 "code": 503}}).encode()
+    body = json.dumps(error_body(message, "service_unavailable", code=503)).encode()
     headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
                (b"retry-after", str(RETRY_AFTER_S).encode())]
     return [{"type": "http.response.start", "status": 503, "headers": headers},
