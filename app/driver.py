@@ -291,22 +291,25 @@ async def run_rounds(
     policy: DraftPolicy | None = None,
     company: Callable[[], bool] = lambda: False,
     prefill_chunk: int | None = None,
+    cached: int = 0,
 ) -> AsyncIterator[list[int]]:
     """Drive rounds until the request stops; yields the tokens each round kept.
 
     A context longer than `prefill_chunk` tokens is first prefilled a chunk per forward (sharing each
     forward with other sequences' rounds); the first round then computes only the last chunk. A
     request that wants its prompt's logprobs (and has streamed nothing yet) has its whole prompt
-    prefilled so, each chunk scoring its tokens.
+    prefilled so, each chunk scoring its tokens. `cached`: context positions the target holds for
+    the sequence already (another sequence prefilled the same context: app.engine), not prefilled again.
     Each round is a span (child of `trace_parent`) and is reported to `observer`.
     """
     rounds = Rounds(state, propose, verify, controller, costs, verify_cost, policy, company)
+    rounds.cached = cached
     score = state.params.prompt_logprobs is not None and not state.output_ids
     try:
         length = len(state.token_ids)
         if prefill_chunk or score:
             step = prefill_chunk or length
-            ends = list(range(step, length, step)) + ([length] if score else [])
+            ends = [end for end in range(step, length, step) if end > cached] + ([length] if score else [])
             for start, end in zip([0] + ends, ends):
                 with telemetry.span("prefill.chunk", trace_parent, attributes={"specserve.tokens": end}):
                     done = await verify(VerifyItem(state.request_id, state.token_ids[:end], Proposal.empty(),

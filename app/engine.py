@@ -16,10 +16,11 @@ from pydantic import BaseModel, Field
 from app import telemetry
 from app.compat import check_vocabularies
 from app.controller import CostEstimator, KController, KControllerConfig
-from app.driver import DraftPolicy, run_rounds
+from app.driver import DraftPolicy, VerifyFn, run_rounds
 from app.errors import InvalidRequestError
 from app.forward_queue import ForwardQueue, in_thread
 from app.grammar import Grammars, grammar_of
+from app.kv import PREFIX_BLOCK
 from app.memory import size_kv_budget
 from app.params import SamplingParams, check_vocabulary, parse_sampling
 from app.request import GenerationJob, RequestState
@@ -97,10 +98,11 @@ class Engine:
             if isinstance(draft, ModelRunner):
                 check_vocabularies(target.tokenizer, draft.tokenizer)
             target = ForwardQueue(in_thread(functools.partial(verify, target)), target.release,
-                                  name="TargetServer.verify", max_tokens=max_batch_tokens, cost=verify_tokens)
+                                  name="TargetServer.verify", max_tokens=max_batch_tokens, cost=verify_tokens,
+                                  forget=target.forget)
         if isinstance(draft, ModelRunner):
             draft = ForwardQueue(in_thread(functools.partial(propose, draft, top_n=draft_top_n)), draft.release,
-                                 name="DraftServer.propose")
+                                 name="DraftServer.propose", forget=draft.forget)
         self.verifier, self.drafter = target, draft
         self.tokenizer, self.vocab_size, self.max_context = tokenizer, vocab_size, max_context
         self.eos_ids = eos_ids  # None: the tokenizer's
@@ -111,6 +113,7 @@ class Engine:
         self.costs = CostEstimator()
         self.active = 0  # requests whose rounds run now: with company, a round never waits for the draft
         self.prefill_chunk = prefill_chunk  # most prompt tokens a sequence adds to one target forward
+        self.prefills = SharedPrefills()  # contexts being prefilled now: same-context sequences wait, then borrow
 
     @classmethod
     def from_config(cls, config: EngineConfig) -> "Engine":
@@ -163,14 +166,16 @@ class Engine:
                      observer: RoundObserver = NoObserver(), trace_parent: telemetry.Parent = None
                      ) -> AsyncIterator[list[int]]:
         """Run one request's rounds, yielding the tokens each round kept; frees its caches after."""
+        verify, cached, prefilled = await self.prefills.join(state, self.verifier.submit)
         self.active += 1
         try:
-            async for kept in run_rounds(state, self.drafter.submit if self.drafter else None, self.verifier.submit,
+            async for kept in run_rounds(state, self.drafter.submit if self.drafter else None, verify,
                                          controller or self.controller(state.params), self.costs, self.verify_cost,
                                          observer, trace_parent, self.policy, lambda: self.active > 1,
-                                         self.prefill_chunk):
+                                         self.prefill_chunk, cached):
                 yield kept
         finally:
+            prefilled(False)  # a leader that ends (fails, is cancelled) before its prefill releases its waiters
             self.active -= 1
             # shielded: a cancelled request (client gone) must still free its caches
             await asyncio.shield(asyncio.ensure_future(self.release(state.request_id)))
@@ -186,7 +191,7 @@ class Engine:
         """
         job.validate(self.vocab_size)
         state = job.state(self.tokenizer, self.max_context, self.eos_ids)  # a bad job fails here, alone
-        self.check(state.params)
+        await asyncio.to_thread(self.check, state.params)  # a grammar compiles off the loop that runs every round
         chunks: asyncio.Queue = asyncio.Queue()
         producer = asyncio.ensure_future(self._produce(job, state, observer, trace_parent, chunks))
         try:
@@ -205,8 +210,8 @@ class Engine:
 
     async def _produce(self, job: GenerationJob, state: RequestState, observer: RoundObserver,
                        trace_parent: telemetry.Parent, chunks: asyncio.Queue) -> None:
-        controller = self.controller(state.params).restore(job.controller)
         try:
+            controller = self.controller(state.params).restore(job.controller)
             async for kept in self.stream(state, controller, observer, trace_parent):
                 delta = state.take_delta()
                 if kept or delta:
@@ -253,6 +258,48 @@ class Engine:
             await asyncio.gather(*(one(s) for s in states))
         asyncio.run(run_all())
         return [result_of(s) for s in states]
+
+
+class SharedPrefills:
+    """The contexts an engine's target is prefilling now, so that sequences with the same context (a
+    request's n choices) compute it once: the first to arrive leads, the others wait until its first
+    verify over the whole context has returned (its KV is then in the target's store), then start.
+    Their first round borrows that KV (a prefix hit, app/kv.py) and computes only the last position.
+    Without this they would prefill it n times over, in one forward; waiting costs them one round.
+
+    Keyed by (context ids, cache salt): a sequence borrows only within its salt. Only contexts that
+    hold a whole prefix block before their last position (shorter ones are never borrowed), and not
+    for requests that score their prompt (they compute every position anyway). A leader that fails or
+    is cancelled first releases its waiters, which then prefill for themselves.
+    """
+
+    def __init__(self):
+        self._now: dict[tuple, asyncio.Future] = {}  # key -> resolved True when the KV is stored, False if never
+
+    async def join(self, state: RequestState, verify: VerifyFn) -> tuple[VerifyFn, int, Callable[[bool], None]]:
+        """(verify, cached, prefilled): the verify to submit through, the context positions the target
+        holds for this sequence now, and what to call when it ends."""
+        ids = state.token_ids
+        if len(ids) <= PREFIX_BLOCK or (state.params.prompt_logprobs is not None and not state.output_ids):
+            return verify, 0, lambda ok: None
+        key = (tuple(ids), state.params.cache_salt)
+        if (leader := self._now.get(key)) is not None:
+            stored = await asyncio.shield(leader)  # a waiter cancelled here leaves the leader's future alone
+            return verify, len(ids) - 1 if stored else 0, lambda ok: None
+        done = self._now[key] = asyncio.get_running_loop().create_future()
+
+        def prefilled(ok: bool) -> None:
+            if not done.done():
+                done.set_result(ok)
+            if self._now.get(key) is done:
+                del self._now[key]
+
+        async def leading(item):
+            verdict = await verify(item)
+            if len(item.token_ids) >= len(ids):  # the whole context (chunks before cover less)
+                prefilled(True)
+            return verdict
+        return leading, 0, prefilled
 
 
 def _logprobs(state: RequestState, kept: int) -> dict:

@@ -19,3 +19,18 @@ class ContextLengthError(InvalidRequestError):
 
 class VocabularyMismatchError(SpecServeError):
     """The draft and target tokenizers do not map the same tokens to the same ids."""
+
+
+class ReplicaFault(RuntimeError):
+    """The process or device serving a batch failed, not a request in it: the batch is not retried
+    request by request and the replica is unhealthy (Serve replaces it)."""
+
+
+def is_fault(e: BaseException) -> bool:
+    """Whether an error a forward raised is the replica's (a device fault, a dead worker) rather than
+    something one request in the batch carried. A CUDA error poisons the context: every later call fails."""
+    import torch
+
+    if isinstance(e, ReplicaFault) or isinstance(e, getattr(torch, "AcceleratorError", ())):
+        return True
+    return isinstance(e, (RuntimeError, MemoryError)) and ("CUDA error" in str(e) or "out of memory" in str(e))

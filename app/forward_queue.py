@@ -8,12 +8,16 @@ timer: this is continuous batching at round granularity.
 
 import asyncio
 import collections
+import logging
 import time
 from collections.abc import Awaitable, Callable
 from typing import Generic, TypeVar
 
 from app import telemetry
 from app.batching import MicroBatcher
+from app.errors import is_fault
+
+log = logging.getLogger(__name__)
 
 Item, Result = TypeVar("Item"), TypeVar("Result")
 
@@ -34,13 +38,24 @@ class ForwardQueue(Generic[Item, Result]):
     size, the forward's seconds and `extra_stats`). release(seq_id) frees a sequence's cache; a
     sequence released while a forward computing it runs has its cache freed again after it, since
     that forward stores it.
+
+    One request never fails another: when a batch's forward raises, every sequence in it is
+    forgotten (`forget(seq_id)`: its KV and grammar state, which the failed forward may have left half
+    written; recomputed from the token ids each item carries) and the batch runs again in halves,
+    down to single items, so the item that raised fails alone and the others get their results,
+    as exactly as any forward gives them. A fault of the replica itself (app.errors.is_fault) fails
+    the batch as it is.
     """
 
     def __init__(self, forward: ForwardFn, release: Callable[[str], Awaitable[None] | None], *, name: str,
                  max_items: int | None = None, extra_stats: dict | None = None,
                  on_batch: Callable[[int], None] = lambda size: None,
-                 max_tokens: int | None = None, cost: Callable[[Item], int] = lambda item: 1):
+                 max_tokens: int | None = None, cost: Callable[[Item], int] = lambda item: 1,
+                 forget: Callable[[str], Awaitable[None] | None] | None = None):
         self.forward, self._release, self.name = forward, release, name
+        self._forget = forget
+        self.isolated = 0  # items that failed alone after their batch raised
+        self.fault: str | None = None  # the replica's own failure, once one happened: it is unhealthy
         self.extra_stats = extra_stats or {}
         self.on_batch = on_batch
         self.served = 0  # items answered
@@ -61,9 +76,7 @@ class ForwardQueue(Generic[Item, Result]):
         await self._drop(seq_id)
 
     async def _drop(self, seq_id: str) -> None:
-        r = self._release(seq_id)
-        if asyncio.iscoroutine(r):
-            await r
+        await _maybe_await(self._release(seq_id))
 
     async def _run(self, items: list) -> list:
         stats = {"batch_size": len(items), **self.extra_stats}
@@ -71,7 +84,15 @@ class ForwardQueue(Generic[Item, Result]):
         try:
             attrs = {"specserve.batch_size": len(items), **{f"specserve.{k}": v for k, v in self.extra_stats.items()}}
             with telemetry.batch_spans(self.name, [getattr(it, "trace", None) for it in items], attrs):
-                results = await self.forward(items)
+                try:
+                    results = await self.forward(items)
+                except Exception as e:
+                    if is_fault(e):
+                        self.fault = f"{type(e).__name__}: {e}"
+                        raise
+                    log.warning("%s: a batch of %d failed (%s: %s); running it again in parts", self.name,
+                                len(items), type(e).__name__, e)
+                    results = await self._isolate(items, e)
         finally:
             for seq_id in {it.seq_id for it in items} & self._released.keys():
                 await self._drop(seq_id)
@@ -83,3 +104,28 @@ class ForwardQueue(Generic[Item, Result]):
         self.batch_sizes.append(len(items))
         self.on_batch(len(items))
         return results
+
+    async def _isolate(self, items: list, error: Exception) -> list:
+        """Results of a batch that raised `error`: forgotten, then run again in halves; an item that
+        fails alone gets its exception as its result."""
+        for seq_id in dict.fromkeys(it.seq_id for it in items):
+            await _maybe_await(self._forget(seq_id) if self._forget else None)
+        if len(items) == 1:
+            self.isolated += 1
+            return [error]
+        mid = len(items) // 2
+        results = []
+        for part in (items[:mid], items[mid:]):
+            try:
+                results += await self.forward(part)
+            except Exception as e:
+                if is_fault(e):
+                    self.fault = f"{type(e).__name__}: {e}"
+                    raise
+                results += await self._isolate(part, e)
+        return results
+
+
+async def _maybe_await(result) -> None:
+    if asyncio.iscoroutine(result):
+        await result

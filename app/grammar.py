@@ -14,11 +14,15 @@ engine must run where only torch and transformers are installed (`make gpu-check
 
 Matchers are state kept per sequence, like KV caches: each is resynchronised to the tokens the call
 carries (rolled back to the common prefix, then advanced), so any replica can serve any round and
-a lost matcher only costs recomputation.
+a lost matcher only costs recomputation. That makes them safe to bound: a matcher goes with its
+sequence's KV (app/kv.py's on_drop), and beyond MAX_MATCHERS the least recently used go, so a draft
+replica whose sequences' releases never come (their target died, or released on another draft
+replica) does not keep their matchers for ever.
 """
 
 import json
 import threading
+from collections import OrderedDict
 from dataclasses import dataclass, field
 
 import torch
@@ -44,6 +48,8 @@ def grammar_of(response_format: dict | None) -> str | None:
 # it without end (a known failure of structured output); a schema's "x-guidance" options override it
 JSON_LAYOUT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 
+MAX_MATCHERS = 4096  # matchers kept per model, least recently used dropped beyond: far above a batch's sequences
+
 
 def unpack(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
     """llguidance's int32 bitmask [N, words] as booleans [N, vocab_size] (bit t % 32 of word t // 32).
@@ -63,12 +69,14 @@ class _Tracked:
 class Grammars:
     """The grammar matchers of one model's sequences, and the masks they give."""
 
-    def __init__(self, tokenizer, vocab_size: int):
+    def __init__(self, tokenizer, vocab_size: int, max_matchers: int = MAX_MATCHERS):
         self.hf_tokenizer, self.vocab_size = tokenizer, vocab_size
         self._tokenizer = None  # llguidance's view of the tokenizer, made on first use
         self._unsupported: str | None = None  # why llguidance cannot read the tokenizer, once tried
-        self._matchers: dict[str, _Tracked] = {}
-        self._lock = threading.Lock()  # release() runs on the event loop, masks in the forward thread
+        self.max_matchers = max_matchers
+        self._matchers: OrderedDict[str, _Tracked] = OrderedDict()  # least recently used first
+        # release() runs on the event loop (and from the KV store's evictions), masks in the forward thread
+        self._lock = threading.Lock()
 
     @property
     def tokenizer(self):
@@ -125,6 +133,7 @@ class Grammars:
         return logits.float().masked_fill(~unpack(bitmask, logits.shape[-1]).to(logits.device), float("-inf"))
 
     def release(self, seq_id: str) -> None:
+        """Forget a sequence's matcher (it ended, or its KV went): its next call, if any, rebuilds it."""
         with self._lock:
             self._matchers.pop(seq_id, None)
 
@@ -153,4 +162,7 @@ class Grammars:
             tracked.consumed += rest[:taken]
         with self._lock:
             self._matchers[seq_id] = tracked
+            self._matchers.move_to_end(seq_id)
+            while len(self._matchers) > self.max_matchers:
+                self._matchers.popitem(last=False)  # only recomputation: _sync rebuilds it from the tokens
         return tracked

@@ -10,6 +10,7 @@ positions into it, and rolling back is forgetting positions, so no round copies 
 
 import threading
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -82,9 +83,10 @@ def common_prefix(a: list[int], b: list[int]) -> int:
 PREFIX_BLOCK = 16  # tokens per block of the prefix index: a shared prefix is found to the block, then exactly
 
 
-def block_keys(token_ids: list[int], start: int = 0):
-    """(block end, key) for each whole block of token_ids: the key names the whole prefix up to that end."""
-    key = None
+def block_keys(token_ids: list[int], start: int = 0, salt: str | None = None):
+    """(block end, key) for each whole block of token_ids: the key names the whole prefix up to that end,
+    under the sequence's cache salt (None, the shared scope, keys as before)."""
+    key = None if salt is None else hash(("cache_salt", salt))
     for end in range(PREFIX_BLOCK, len(token_ids) + 1, PREFIX_BLOCK):
         key = hash((key, tuple(token_ids[end - PREFIX_BLOCK : end])))
         if end > start:
@@ -106,16 +108,26 @@ class KVStore:
     sequence's own prefill computes for the same tokens at the same positions; as with any
     batched forward, only float rounding from the batch's shape can differ.
 
+    Prefixes are shared only within a cache salt (a request's `cache_salt`; None is the shared scope):
+    time to first token must not tell one client whether another's prompt is cached. The salt starts
+    each key chain and a hit is confirmed on it as on the token ids.
+
+    `on_drop(seq_id)` runs whenever a sequence's entry goes (dropped or evicted), so state the runner
+    keeps beside it (grammar matchers) goes with it. It runs under the store's lock, on the forward's
+    thread: it must not call back into the store.
+
     Forwards run in a worker thread while releases come from the event loop: a lock guards the map.
     """
 
-    def __init__(self, max_bytes: int):
+    def __init__(self, max_bytes: int, on_drop: Callable[[str], None] = lambda seq_id: None):
         self.max_bytes = max_bytes
+        self.on_drop = on_drop
         self._entries: OrderedDict[str, SequenceCache] = OrderedDict()
         self._sizes: dict[str, int] = {}  # bytes accounted per entry when it was last put
         self._retired: OrderedDict[str, None] = OrderedDict()  # released, kept as prefix donors; oldest first
         self._index: dict[int, str] = {}  # block key -> a sequence id that held that prefix
         self._keys: dict[str, list[int]] = {}  # sequence id -> the block keys indexed for it, in order
+        self._salts: dict[str, str] = {}  # sequence id -> its cache salt, where it has one
         self.nbytes = 0
         self.evictions = 0
         self.prefix_hit_tokens = 0  # prompt tokens not recomputed thanks to another sequence's cache
@@ -135,18 +147,18 @@ class KVStore:
                 self._entries.move_to_end(seq_id)
             return entry
 
-    def borrow(self, token_ids: list[int], limit: int) -> SequenceCache | None:
-        """A new cache holding a copy of the longest cached prefix of token_ids (at most `limit`
-        positions, at least one block), or None."""
+    def borrow(self, token_ids: list[int], limit: int, salt: str | None = None) -> SequenceCache | None:
+        """A new cache holding a copy of the longest prefix of token_ids cached under the same salt (at
+        most `limit` positions, at least one block), or None."""
         with self._lock:
             donor = None
-            for end, key in block_keys(token_ids[:limit]):
+            for end, key in block_keys(token_ids[:limit], salt=salt):
                 seq_id = self._index.get(key)
                 if seq_id is None:
                     break
                 donor = seq_id
             entry = self._entries.get(donor) if donor is not None else None
-            if entry is None:
+            if entry is None or self._salts.get(donor) != salt:
                 return None
             n = min(common_prefix(entry.token_ids, token_ids), limit)
             if n < PREFIX_BLOCK:
@@ -156,11 +168,11 @@ class KVStore:
                 self._retired.move_to_end(donor)  # recently useful: evicted last among the retired
             return entry.copy_prefix(n)
 
-    def put(self, seq_id: str, entry: SequenceCache) -> None:
+    def put(self, seq_id: str, entry: SequenceCache, salt: str | None = None) -> None:
         """Store (or re-account, after it grew) a sequence's cache, live (a retired one stored again is
-        live again). Room is made first, so readers on another thread never see the budget exceeded:
-        retired sequences go first, then the least recently used live ones. An entry larger than
-        the whole budget is not kept."""
+        live again), a prefix donor for sequences of the same salt. Room is made first, so readers on
+        another thread never see the budget exceeded: retired sequences go first, then the least
+        recently used live ones. An entry larger than the whole budget is not kept."""
         with self._lock:
             self._forget(seq_id)
             while self._entries and self.nbytes + entry.nbytes > self.max_bytes:
@@ -174,6 +186,8 @@ class KVStore:
             self._entries[seq_id] = entry
             self._sizes[seq_id] = entry.nbytes
             self.nbytes += entry.nbytes
+            if salt is not None:
+                self._salts[seq_id] = salt
             self._reindex(seq_id, entry.token_ids)
 
     def retire(self, seq_id: str) -> None:
@@ -184,15 +198,16 @@ class KVStore:
                 self._retired.move_to_end(seq_id)
 
     def drop(self, seq_id: str) -> None:
-        """Free a sequence's cache now."""
+        """Free a sequence's cache now (and, through on_drop, what the runner keeps beside it)."""
         with self._lock:
             self._forget(seq_id)
             self._unindex(seq_id, 0)
+            self.on_drop(seq_id)
 
     def _reindex(self, seq_id: str, token_ids: list[int]) -> None:
         """Index the whole blocks of token_ids; blocks indexed before that no longer match are replaced.
         Hashing a sequence's blocks costs about a microsecond per block and runs once per round."""
-        keys = [key for _, key in block_keys(token_ids)]
+        keys = [key for _, key in block_keys(token_ids, salt=self._salts.get(seq_id))]
         old = self._keys.get(seq_id, [])
         same = next((i for i, (a, b) in enumerate(zip(old, keys)) if a != b), min(len(old), len(keys)))
         self._unindex(seq_id, same)
@@ -215,3 +230,4 @@ class KVStore:
         if self._entries.pop(seq_id, None) is not None:
             self.nbytes -= self._sizes.pop(seq_id)
         self._retired.pop(seq_id, None)
+        self._salts.pop(seq_id, None)

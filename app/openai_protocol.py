@@ -1,6 +1,7 @@
 """OpenAI-compatible request and response bodies (completions and chat), plus the error body."""
 
 import json
+import re
 import time
 import uuid
 from typing import Literal
@@ -9,9 +10,41 @@ import jinja2
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from app.errors import InvalidRequestError
-from app.params import MAX_SEED, MIN_SEED, SamplingParams, SpeculationParams
+from app.params import (MAX_LOGIT_BIAS, MAX_SEED, MAX_STOP_CHARS, MAX_STOP_TOKEN_IDS, MAX_STOPS, MAX_TOKEN_ID,
+                        MIN_SEED, SamplingParams, SpeculationParams, TokenId)
 
 MAX_CHOICES = 64  # generations one request may ask for: prompts x n
+MAX_JSON_DEPTH = 64  # nesting of a request body (a JSON schema of 30 nested objects fits)
+TOKEN_ID_KEY = re.compile(r"0|[1-9][0-9]{0,9}")  # a token id as OpenAI's logit_bias keys write it: ASCII decimal
+
+
+def load_json(raw: bytes) -> object:
+    """A request body's JSON; InvalidRequestError when it is not UTF-8 JSON, holds NaN or Infinity
+    (Python's json reads them, JSON has no such numbers) or nests deeper than MAX_JSON_DEPTH."""
+    def refuse(constant: str):
+        raise InvalidRequestError(f"body is not valid JSON: {constant} is not a JSON number")
+    try:
+        data = json.loads(raw.decode("utf-8"), parse_constant=refuse)
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise InvalidRequestError(f"body is not valid UTF-8 JSON: {e}") from None
+    except RecursionError:
+        data = None
+    if data is None or json_depth(data) > MAX_JSON_DEPTH:
+        raise InvalidRequestError(f"body nests deeper than {MAX_JSON_DEPTH} levels")
+    return data
+
+
+def json_depth(value: object) -> int:
+    """Nesting depth of parsed JSON (a scalar is 0), walked without recursion."""
+    deepest, stack = 0, [(value, 0)]
+    while stack:
+        value, depth = stack.pop()
+        if isinstance(value, (dict, list)):
+            deepest = max(deepest, depth + 1)
+            if deepest > MAX_JSON_DEPTH:
+                return deepest
+            stack.extend((v, depth + 1) for v in (value.values() if isinstance(value, dict) else value))
+    return deepest
 
 # Fields that change nothing a client gets back: accepted and dropped.
 HARMLESS_FIELDS = frozenset({"user", "metadata", "store", "service_tier", "safety_identifier"})
@@ -53,30 +86,34 @@ class StreamOptions(BaseModel):
 
 
 class _Common(BaseModel):
-    """Fields shared by completions and chat completions (bodies pass through normalise_body first)."""
+    """Fields shared by completions and chat completions (bodies pass through normalise_body first).
+    Every number is bounded and finite here, before anything is built from it (app/params.py)."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
     model: str = Field(description="Served model name, as listed by /v1/models.")
-    max_tokens: int | None = Field(None, ge=1, description="Most tokens to generate.")
+    max_tokens: int | None = Field(None, ge=1, le=MAX_TOKEN_ID, description="Most tokens to generate.")
     temperature: float = Field(1.0, ge=0.0, le=2.0, description="0 = greedy.")
     top_p: float = Field(1.0, gt=0.0, le=1.0, description="Nucleus sampling mass.")
-    top_k: int = Field(0, ge=-1, description="Extension: keep the k most likely tokens; 0 or -1 = all.")
-    stop: str | list[str] | None = Field(None, description="Up to 4 stop strings.")
+    top_k: int = Field(0, ge=-1, le=MAX_TOKEN_ID, description="Extension: keep the k most likely tokens (at most "
+                                                              "the vocabulary); 0 or -1 = all.")
+    stop: str | list[str] | None = Field(None, description=f"Up to {MAX_STOPS} stop strings of at most "
+                                                           f"{MAX_STOP_CHARS} characters.")
     seed: int | None = Field(None, ge=MIN_SEED, le=MAX_SEED, description="Reproducible sampling (any int64).")
     n: int = Field(1, ge=1, le=MAX_CHOICES, description="Choices per prompt, each sampled with its own seed.")
     stream: bool = Field(False, description="Server-sent events, ending with data: [DONE].")
     stream_options: StreamOptions | None = Field(None, description="Streaming options.")
     ignore_eos: bool = Field(False, description="Extension: keep generating past end-of-sequence.")
-    stop_token_ids: list[int] = Field(default_factory=list, description="Extension: token ids that end generation.")
+    stop_token_ids: list[TokenId] = Field(default_factory=list, max_length=MAX_STOP_TOKEN_IDS,
+                                      description="Extension: token ids that end generation.")
     presence_penalty: float = Field(0.0, ge=-2.0, le=2.0, description="Penalise tokens already in the output.")
     frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0, description="Penalise tokens by their output count.")
     repetition_penalty: float = Field(1.0, gt=0.0, le=10.0, description="Extension: penalise prompt and output "
                                                                          "tokens multiplicatively (1 = off).")
     min_p: float = Field(0.0, ge=0.0, le=1.0, description="Extension: drop tokens below min_p x the top one.")
-    min_tokens: int = Field(0, ge=0, description="Extension: no stop before this many tokens.")
-    logit_bias: dict[str, float] = Field(default_factory=dict, description="Token id (as a string) -> bias in "
-                                                                           "[-100, 100].")
+    min_tokens: int = Field(0, ge=0, le=MAX_TOKEN_ID, description="Extension: no stop before this many tokens.")
+    logit_bias: dict[str, float] = Field(default_factory=dict, max_length=MAX_LOGIT_BIAS,
+                                         description="Token id (as a decimal string) -> bias in [-100, 100].")
     response_format: dict | None = Field(None, description='{"type": "json_object"} or {"type": "json_schema", '
                                                            '"json_schema": {"name": ..., "schema": {...}}}: the '
                                                            'output follows it.')
@@ -84,20 +121,24 @@ class _Common(BaseModel):
         "raw", description="Extension: logprobs of the model's distribution (raw) or of the processed one "
                            "tokens are sampled from.")
     speculation: SpeculationParams | None = Field(None, description="Extension: K or speculation off.")
+    cache_salt: str | None = Field(None, max_length=256, description="Extension (vLLM's): the prompt reuses only "
+                                                                     "KV cached by requests with the same salt.")
 
     @field_validator("stop")
     @classmethod
     def _stops(cls, v):
         stops = [v] if isinstance(v, str) else (v or [])
-        if len(stops) > 4 or any(s == "" for s in stops):
-            raise ValueError("stop takes up to 4 non-empty strings")
+        if len(stops) > MAX_STOPS or any(s == "" or len(s) > MAX_STOP_CHARS for s in stops):
+            raise ValueError(f"stop takes up to {MAX_STOPS} non-empty strings of at most {MAX_STOP_CHARS} characters")
         return stops
 
     @field_validator("logit_bias")
     @classmethod
     def _bias_keys(cls, v):
-        if any(not k.isdigit() for k in v):
-            raise ValueError("logit_bias keys must be token ids")
+        # str.isdigit() admits "²" and "١", which int() refuses or reads: only ASCII decimal, no leading zero
+        bad = next((k for k in v if not TOKEN_ID_KEY.fullmatch(k)), None)
+        if bad is not None:
+            raise ValueError(f"logit_bias keys must be token ids written in decimal; got {bad[:20]!r}")
         return v
 
     def top_logprobs_wanted(self) -> int | None:
@@ -108,8 +149,11 @@ class _Common(BaseModel):
         """Alternatives per prompt token (completions with echo and logprobs), or None."""
         return None
 
-    def sampling(self, max_tokens: int, default_spec: SpeculationParams) -> SamplingParams:
-        return SamplingParams(max_tokens=max_tokens, temperature=self.temperature, top_p=self.top_p,
+    def sampling(self, max_tokens: int, default_spec: SpeculationParams, cache_salt: str | None = None
+                 ) -> SamplingParams:
+        """The request's SamplingParams; `cache_salt`: its prefix-cache scope (the ingress's, from the
+        API key and the request's own cache_salt)."""
+        return SamplingParams(cache_salt=cache_salt, max_tokens=max_tokens, temperature=self.temperature, top_p=self.top_p,
                               top_k=self.top_k, stop=self.stop or [], seed=self.seed, ignore_eos=self.ignore_eos,
                               stop_token_ids=self.stop_token_ids, presence_penalty=self.presence_penalty,
                               frequency_penalty=self.frequency_penalty, repetition_penalty=self.repetition_penalty,

@@ -1,6 +1,6 @@
 """Request-level parameters: how to sample, when to stop, how to speculate."""
 
-from typing import Literal
+from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator
 
@@ -9,12 +9,20 @@ from app.errors import InvalidRequestError
 # seeds ride in int64 tensors beside other requests' (one outside int64 would fail the batch); the
 # draws hash a seed's 64 bits, so a negative seed is as good as any
 MIN_SEED, MAX_SEED = -(2**63), 2**63 - 1
+# Limits on what one request may ask for (docs/reliability.md lists them with their refusals): each
+# bounds work done on shared loops or tensors shared with other requests.
+MAX_TOKEN_ID = 2**31 - 1  # ids (top_k too) ride in int32/int64 tensors; the model's vocabulary is checked later
+MAX_STOPS = 4  # stop strings per request (OpenAI's limit)
+MAX_STOP_CHARS = 1024  # characters of one stop string
+MAX_STOP_TOKEN_IDS = 64
+MAX_LOGIT_BIAS = 1024  # entries of logit_bias
+TokenId = Annotated[int, Field(ge=0, le=MAX_TOKEN_ID)]
 
 
 class SpeculationParams(BaseModel):
     """Per-request control of speculation (the `speculation` extension of the HTTP API)."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
     enabled: bool = Field(True, description="False runs plain target decoding (K = 0) for this request.")
     num_tokens: int | Literal["auto"] = Field(
@@ -24,8 +32,8 @@ class SpeculationParams(BaseModel):
     @field_validator("num_tokens")
     @classmethod
     def _non_negative(cls, v: int | str) -> int | str:
-        if isinstance(v, int) and v < 0:
-            raise ValueError("num_tokens must be >= 0 or 'auto'")
+        if isinstance(v, int) and not 0 <= v <= MAX_TOKEN_ID:
+            raise ValueError("num_tokens must be >= 0 (and at most k_max) or 'auto'")
         return v
 
     def pinned_k(self) -> int | None:
@@ -36,19 +44,22 @@ class SpeculationParams(BaseModel):
 
 
 class SamplingParams(BaseModel):
-    """How one request samples and stops. temperature 0 means greedy."""
+    """How one request samples and stops. temperature 0 means greedy. Every float is finite (a NaN
+    compares false with every bound, so it would pass them), every integer bounded."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
-    max_tokens: int = Field(64, ge=1, description="Most tokens to generate.")
+    max_tokens: int = Field(64, ge=1, le=MAX_TOKEN_ID, description="Most tokens to generate.")
     temperature: float = Field(1.0, ge=0.0, le=100.0, description="0 = greedy; higher flattens the distribution.")
     top_p: float = Field(1.0, gt=0.0, le=1.0, description="Nucleus sampling: keep the smallest set with mass >= top_p.")
-    top_k: int = Field(0, ge=-1, description="Keep the k most likely tokens; 0 or -1 keeps all.")
-    stop: list[str] = Field(default_factory=list, description="Strings that end generation; excluded from the text.")
+    top_k: int = Field(0, ge=-1, le=MAX_TOKEN_ID,
+                       description="Keep the k most likely tokens; 0 or -1 keeps all; at most the vocabulary.")
+    stop: list[str] = Field(default_factory=list, max_length=MAX_STOPS,
+                            description="Strings that end generation; excluded from the text.")
     seed: int | None = Field(None, ge=MIN_SEED, le=MAX_SEED,
                              description="Makes sampling reproducible, whatever else is in the batch.")
     ignore_eos: bool = Field(False, description="Keep generating past the end-of-sequence token.")
-    stop_token_ids: list[int] = Field(default_factory=list, max_length=64,
+    stop_token_ids: list[TokenId] = Field(default_factory=list, max_length=MAX_STOP_TOKEN_IDS,
                                       description="Token ids that end generation (excluded from the output), "
                                                   "beside the model's end-of-sequence ids; ignore_eos does not "
                                                   "apply to them.")
@@ -60,7 +71,7 @@ class SamplingParams(BaseModel):
     repetition_penalty: float = Field(1.0, gt=0.0, le=10.0,
                                       description="Divides positive and multiplies negative logits of tokens in "
                                                   "the prompt or output (1 = off).")
-    logit_bias: dict[int, float] = Field(default_factory=dict, max_length=1024,
+    logit_bias: dict[int, float] = Field(default_factory=dict, max_length=MAX_LOGIT_BIAS,
                                          description="Token id -> bias in [-100, 100], added to its logit.")
     min_tokens: int = Field(0, ge=0, description="No end-of-sequence or stop id (or stop string) before this "
                                                  "many tokens.")
@@ -79,6 +90,7 @@ class SamplingParams(BaseModel):
         None, description='OpenAI\'s response_format: {"type": "json_object"} or {"type": "json_schema", '
                           '"json_schema": {"name": ..., "schema": {...}}}; output then follows it (app/grammar.py).')
     speculation: SpeculationParams = Field(default_factory=SpeculationParams, description="Speculation control.")
+    cache_salt: str | None = Field(None, max_length=256, description="Prefix-cache scope: a sequence reuses only KV cached under the same salt (None: shared).")
 
     @field_validator("response_format")
     @classmethod
@@ -103,21 +115,23 @@ class SamplingParams(BaseModel):
             return []
         if isinstance(v, str):
             v = [v]
-        if any(not isinstance(s, str) or s == "" for s in v):
+        if not isinstance(v, list) or any(not isinstance(s, str) or s == "" for s in v):
             raise ValueError("stop must be a non-empty string or a list of non-empty strings")
+        if any(len(s) > MAX_STOP_CHARS for s in v):
+            raise ValueError(f"each stop string must be at most {MAX_STOP_CHARS} characters")
         return v
 
     @field_validator("stop_token_ids")
     @classmethod
     def _token_ids(cls, v):
-        if any(t < 0 for t in v):
-            raise ValueError("stop_token_ids must be token ids (>= 0)")
+        if any(not 0 <= t <= MAX_TOKEN_ID for t in v):
+            raise ValueError(f"stop_token_ids must be token ids in [0, {MAX_TOKEN_ID}]")
         return v
 
     @field_validator("logit_bias")
     @classmethod
     def _biases(cls, v):
-        if any(t < 0 or not -100.0 <= b <= 100.0 for t, b in v.items()):
+        if any(not 0 <= t <= MAX_TOKEN_ID or not -100.0 <= b <= 100.0 for t, b in v.items()):
             raise ValueError("logit_bias maps token ids (>= 0) to biases in [-100, 100]")
         return v
 
@@ -143,13 +157,17 @@ def parse_sampling(params: "SamplingParams | dict | None" = None, **overrides) -
         return SamplingParams.model_validate(data)
     except ValidationError as e:
         err = e.errors()[0]
-        param = ".".join(str(p) for p in err["loc"]) or None
+        param = ".".join(str(p) for p in err["loc"] if not isinstance(p, int)) or None  # a field, not an index
         raise InvalidRequestError(f"invalid {param}: {err['msg']}", param=param) from None
 
 
 def check_vocabulary(params: SamplingParams, vocab_size: int) -> None:
-    """Refuse logit biases for token ids the model does not have (they would index past its logits)."""
-    outside = [t for t in params.logit_bias if t >= vocab_size]
-    if outside:
-        raise InvalidRequestError(f"logit_bias token ids must be in [0, {vocab_size}); got {outside[0]}",
-                                  param="logit_bias")
+    """Refuse token ids the model does not have (a bias would index past its logits) and a top_k
+    larger than its vocabulary."""
+    for name, ids in (("logit_bias", params.logit_bias), ("stop_token_ids", params.stop_token_ids)):
+        outside = [t for t in ids if t >= vocab_size]
+        if outside:
+            raise InvalidRequestError(f"{name} token ids must be in [0, {vocab_size}); got {outside[0]}", param=name)
+    if params.top_k > vocab_size:
+        raise InvalidRequestError(f"top_k must be at most the vocabulary ({vocab_size}), or 0 or -1 for all; "
+                                  f"got {params.top_k}", param="top_k")

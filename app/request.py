@@ -1,5 +1,7 @@
 """A request's state while it generates: its tokens, stop rules, streamed text and statistics."""
 
+import functools
+import math
 import secrets
 from dataclasses import dataclass, field
 
@@ -111,13 +113,14 @@ class RequestState:
         self.tokenizer = tokenizer
         self.max_context = max_context
         self.output_ids: list[int] = list(output_ids or [])
-        self.text = self._decode(self.output_ids)
+        self.finish_reason: str | None = None if self.room() > 0 else "length"  # resumed at its end
         # incremental detokenisation: text holds output_ids[:_read]; output_ids[_prefix:_read] is decoded
         # again with each round's new tokens, as context for tokenizers whose pieces depend on what precedes
-        self._read = len(self.output_ids)
+        self._read = self._resume_point()
+        self.text = self._decode(self.output_ids[: self._read])
         self._prefix = max(0, self._read - DETOKENIZE_CONTEXT)
         self._streamed = streamed_chars
-        self.finish_reason: str | None = None if self.room() > 0 else "length"  # resumed at its end
+        self._min_text: int | None = None  # _min_tokens_text, once known
         self.stats = SpeculationStats()
         self.eos_ids = frozenset(eos_ids) if eos_ids is not None else tokenizer_eos_ids(tokenizer)
         # the ids that end generation: the model's eos ids (unless ignored) and the request's own
@@ -126,6 +129,22 @@ class RequestState:
         # per output token when asked for: (logprob, [(id, logprob), ...]) (app.spec.token_logprobs)
         self.logprobs: list[tuple] = []
         self.prompt_logprobs: list[tuple] = []  # the prompt's tokens after its first, when asked for
+        if self.finished and params.stop and len(self.output_ids) >= params.min_tokens:
+            # resumed at max_tokens, between the round that found a stop string and its final chunk: there
+            # is no next round to find it again (any other resumed request finds it in its next round)
+            self._apply_stop_strings([])
+
+    def _resume_point(self) -> int:
+        """How many of the output ids (those an earlier replica streamed) to count as read: not the trailing
+        ones whose text is an incomplete UTF-8 sequence. That replica held their text back; decoded alone
+        here they would read U+FFFD and their continuation another, so they wait for the next round, as
+        in the uncut stream. A window of DETOKENIZE_CONTEXT tokens holds any character's bytes."""
+        n = len(self.output_ids)
+        if self.finished:  # nothing more comes: all is read, as when the uncut stream finished
+            return n
+        while n and self._decode(self.output_ids[max(0, n - DETOKENIZE_CONTEXT) : n]).endswith(REPLACEMENT):
+            n -= 1
+        return n
 
     @property
     def token_ids(self) -> list[int]:
@@ -168,16 +187,20 @@ class RequestState:
     def _detokenize(self) -> None:
         """Extend text by the new tokens' text: O(new tokens) per round, and text once added never changes.
 
-        Tokens whose text is still an incomplete UTF-8 sequence wait for the next round (or the end)."""
+        Tokens whose text is still an incomplete UTF-8 sequence wait for the next round (or the end); those
+        before them are read now (one more decode per token held), so what is read depends on the tokens,
+        not on how rounds group them: a request resumed elsewhere reads the same (_resume_point)."""
         ids = self.output_ids
         if self._read >= len(ids):
             return
         before = self._decode(ids[self._prefix : self._read])
-        after = self._decode(ids[self._prefix :])
-        if len(after) > len(before) and (self.finished or not after.endswith(REPLACEMENT)):
-            self.text += after[len(before) :]
-            self._read = len(ids)
-            self._prefix = max(self._prefix, self._read - DETOKENIZE_CONTEXT)
+        for end in range(len(ids), self._read, -1):
+            after = self._decode(ids[self._prefix : end])
+            if len(after) > len(before) and (self.finished or not after.endswith(REPLACEMENT)):
+                self.text += after[len(before) :]
+                self._read = end
+                self._prefix = max(self._prefix, self._read - DETOKENIZE_CONTEXT)
+                return
 
     def _apply_stop_strings(self, kept: list[int]) -> list[int]:
         """Find stop strings, also across token boundaries; truncate tokens and text there."""
@@ -187,13 +210,12 @@ class RequestState:
         if not hits:
             return kept
         cut, stop = min(hits)
-        # the fewest output tokens whose text contains the stop string
+        # the fewest output tokens whose text contains the stop string, but not fewer than earlier rounds
+        # streamed (their ids went out even while their text was held back): once a request, O(kept) decodes
         first_new = len(self.output_ids) - len(kept)
         n = first_new
-        while n < len(self.output_ids):
+        while n < len(self.output_ids) and self._decode(self.output_ids[:n])[cut : cut + len(stop)] != stop:
             n += 1
-            if len(self._decode(self.output_ids[:n])) >= cut + len(stop):
-                break
         del kept[n - first_new:]
         del self.output_ids[n:]
         self.text = self.text[:cut]
@@ -205,7 +227,9 @@ class RequestState:
         """Characters of the text the first min_tokens tokens make: no stop string is sought in them."""
         if not self.params.min_tokens:
             return 0
-        return len(self._decode(self.output_ids[: self.params.min_tokens]))
+        if self._min_text is None:  # sought only once min_tokens are out: fixed from then on
+            self._min_text = len(self._decode(self.output_ids[: self.params.min_tokens]))
+        return self._min_text
 
     def take_delta(self) -> str:
         """Text not yet streamed, holding back a possible partial stop string or UTF-8 sequence."""
@@ -219,11 +243,33 @@ class RequestState:
         return delta
 
     def _partial_stop(self, stop: str, end: int) -> int:
-        """Length of the longest proper prefix of `stop` that text[:end] ends with (unstreamed part only)."""
-        for j in range(min(len(stop) - 1, end - self._streamed), 0, -1):
-            if self.text[end - j : end] == stop[:j]:
-                return j
-        return 0
+        """Length of the longest proper prefix of `stop` that text[:end] ends with (unstreamed part only).
+
+        KMP over the at most len(stop) - 1 characters that can hold one: O(len(stop)), not O(len(stop)^2),
+        on the replica's event loop each round."""
+        tail = self.text[max(self._streamed, end - len(stop) + 1) : end]
+        fail = prefix_function(stop)
+        j = 0  # the longest prefix of stop that the tail read so far ends with (< len(stop): tail is shorter)
+        for c in tail:
+            while j and stop[j] != c:
+                j = fail[j - 1]
+            if stop[j] == c:
+                j += 1
+        return j
+
+
+@functools.lru_cache(maxsize=256)
+def prefix_function(s: str) -> tuple[int, ...]:
+    """KMP's failure table: [i] is the length of the longest proper prefix of s[:i + 1] that it ends with."""
+    fail = [0] * len(s)
+    j = 0
+    for i in range(1, len(s)):
+        while j and s[i] != s[j]:
+            j = fail[j - 1]
+        if s[i] == s[j]:
+            j += 1
+        fail[i] = j
+    return tuple(fail)
 
 
 @dataclass
@@ -260,6 +306,9 @@ class GenerationJob:
                 raise InvalidRequestError(f"{name} must be a list of token ids in [0, {vocab_size})", param=name)
         if type(self.seed) is not int or not MIN_SEED <= self.seed <= MAX_SEED:
             raise InvalidRequestError(f"seed must be an integer in [{MIN_SEED}, {MAX_SEED}]", param="seed")
+        if self.controller is not None and (len(self.controller) != 3 or not all(
+                isinstance(c, (int, float)) and math.isfinite(c) and c >= 0 for c in self.controller)):
+            raise InvalidRequestError("controller must be three finite counts >= 0", param="controller")
         check_vocabulary(parse_sampling(self.params), vocab_size)
 
     def state(self, tokenizer, max_context: int, eos_ids: frozenset[int] | None = None) -> RequestState:

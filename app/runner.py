@@ -57,6 +57,7 @@ class SeqInput:
     seq_id: str
     token_ids: list[int]
     num_logits: int = 1
+    salt: str | None = None  # its request's cache_salt: it borrows only prefixes cached under the same one
 
 
 class ModelRunner:
@@ -70,8 +71,9 @@ class ModelRunner:
         self.vocab_size = min(len(tokenizer), model.get_output_embeddings().weight.shape[0])
         self.max_context = getattr(model.config, "max_position_embeddings", None) or 1 << 30
         self.eos_ids = eos_ids(getattr(model, "generation_config", None), tokenizer)
-        self.cache = KVStore(max_cache_bytes)
         self.grammars = Grammars(tokenizer, self.vocab_size)  # structured output's matchers, per sequence
+        # a sequence's matcher lives as long as its KV: on a draft replica the release may never come
+        self.cache = KVStore(max_cache_bytes, on_drop=self.grammars.release)
         # CPU serving: linears on oneDNN-prepacked weights (app/cpu_linear.py); same maths, 2-3x faster
         self.packed_linears = pack_linears(model) if pack and self.device.type == "cpu" else 0
         # models whose forward takes a per-row mask of the positions to project (transformers'
@@ -107,6 +109,12 @@ class ModelRunner:
         self.cache.retire(seq_id)
         self.grammars.release(seq_id)
 
+    def forget(self, seq_id: str) -> None:
+        """Drop a sequence's KV and grammar state outright (a failed forward may have left them half
+        written): its next call recomputes both from the token ids it carries."""
+        self.cache.drop(seq_id)
+        self.grammars.release(seq_id)
+
 
 class RaggedBatch:
     """A batch in flight as one packed row (app/ragged.py): no padding, no gather, no write-back.
@@ -119,6 +127,7 @@ class RaggedBatch:
     def __init__(self, runner: ModelRunner, seqs: list[SeqInput]):
         self.runner = runner
         self.seq_ids = [s.seq_id for s in seqs]
+        self.salts = [s.salt for s in seqs]
         self.token_ids = [list(s.token_ids) for s in seqs]
         self.entries: list[SequenceCache] = []
         spans, ids, offset, used = [], [], 0, set()
@@ -127,7 +136,7 @@ class RaggedBatch:
                 raise ValueError(f"num_logits must be in [1, {len(s.token_ids)}], got {s.num_logits}")
             limit = len(s.token_ids) - s.num_logits
             entry = runner.cache.get(s.seq_id)
-            borrowed = entry is None and runner.cache.borrow(s.token_ids, limit)
+            borrowed = entry is None and runner.cache.borrow(s.token_ids, limit, s.salt)
             entry = borrowed or entry
             reuse = min(common_prefix(entry.token_ids, s.token_ids), limit) if entry else 0
             if entry is None:
@@ -174,13 +183,14 @@ class RaggedBatch:
     def close(self, keep: list[int]) -> None:
         """Store each row's first keep[i] positions as its cache (later positions are rolled back)."""
         store = self.runner.cache
-        for seq_id, ids, entry, n, length in zip(self.seq_ids, self.token_ids, self.entries, keep, self.lengths):
+        for seq_id, ids, entry, n, length, salt in zip(self.seq_ids, self.token_ids, self.entries, keep, self.lengths,
+                                                       self.salts):
             n = min(n, length)
             if n <= 0:
                 store.drop(seq_id)
                 continue
             entry.token_ids = ids[:n]
-            store.put(seq_id, entry)
+            store.put(seq_id, entry, salt)
 
 
 ROOM = 8  # spare positions a batch buffer gets beyond its prefill: the draft's extend() steps fill them
@@ -243,13 +253,15 @@ class Batch:
     def __init__(self, runner: ModelRunner, seqs: list[SeqInput]):
         self.runner = runner
         self.seq_ids = [s.seq_id for s in seqs]
+        self.salts = [s.salt for s in seqs]
         self.token_ids = [list(s.token_ids) for s in seqs]
         device = runner.device
         reuse, entries = [], []
         for s in seqs:
             if not 1 <= s.num_logits <= len(s.token_ids):
                 raise ValueError(f"num_logits must be in [1, {len(s.token_ids)}], got {s.num_logits}")
-            entry = runner.cache.get(s.seq_id) or runner.cache.borrow(s.token_ids, len(s.token_ids) - s.num_logits)
+            entry = runner.cache.get(s.seq_id) or runner.cache.borrow(s.token_ids, len(s.token_ids) - s.num_logits,
+                                                                      s.salt)
             m = common_prefix(entry.token_ids, s.token_ids) if entry else 0
             reuse.append(min(m, len(s.token_ids) - s.num_logits))
             entries.append(entry)
@@ -338,13 +350,13 @@ class Batch:
         buffers = [layer.buffers for layer in self.cache.layers]
         extended = self.mask.shape[1] - self.past - self.width  # extend() steps taken
         stored = set()  # a sequence may fill two rows (a proposal and one drafted ahead): one slab each
-        for i, (seq_id, ids, n) in enumerate(zip(self.seq_ids, self.token_ids, keep)):
+        for i, (seq_id, ids, n, salt) in enumerate(zip(self.seq_ids, self.token_ids, keep, self.salts)):
             n = min(n, self.lengths[i])
             if n <= 0:
                 store.drop(seq_id)
                 continue
             if self.in_place or (len(self.seq_ids) == 1 and self.past == 0):  # the buffer is this row's alone
-                store.put(seq_id, SequenceCache(ids[:n], [(k[0], v[0]) for k, v in buffers]))
+                store.put(seq_id, SequenceCache(ids[:n], [(k[0], v[0]) for k, v in buffers]), salt)
                 continue
             r, w = self.reuse[i], self.new_lengths[i]
             entry = self.entries[i]
@@ -364,7 +376,7 @@ class Batch:
                         ks[:, pos : pos + count] = k[i, :, col : col + count]
                         vs[:, pos : pos + count] = v[i, :, col : col + count]
             entry.token_ids = ids[:n]
-            store.put(seq_id, entry)
+            store.put(seq_id, entry, salt)
             stored.add(seq_id)
 
     @staticmethod

@@ -1,7 +1,7 @@
 """Chaos soak: mixed load on a local cluster running two replicas of every deployment, while a random
 replica of a random layer is killed every 20-40 s. Per layer killed it reports what the clients saw.
 
-    .venv/bin/python -m cluster.soak --minutes 10 [--target DIR --draft DIR] [--tp 2] [--json out.json]
+    .venv/bin/python -m cluster.soak --minutes 10 [--target DIR --draft DIR] [--tp 2] [--seed 0 1 2] [--json out.json]
     .venv/bin/python -m cluster.soak --overload 4     (4x the target pool's capacity at once, instead)
 
 The load: `--clients` loops, each sending requests drawn from a fixed mix (streaming or not; greedy,
@@ -16,7 +16,9 @@ Each request is counted against the last kill before it ended, when it ended wit
 (else against "no kill"): sent, completed, identical to the reference, clear errors (an OpenAI
 error body, or an SSE error event), dropped connections (the client library raises: a body cut
 mid-stream, or the HTTP proxy's own 500 when the ingress replica under it died), silent cuts (a
-response that ended cleanly without a finish or an error: must be 0), and latency p50/p99. No
+response that ended cleanly without a finish or an error: must be 0), and latency p50/p99; for each
+request that differs, `differences` in the JSON report: both texts, the first differing character, the
+kill, and where its stream paused longest (a resumed cut, as far as a client can see one). No
 layer it kills may drop a connection: only the death of the HTTP proxy itself, which holds them, could.
 """
 
@@ -27,7 +29,7 @@ import random
 import threading
 import time
 import zlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import httpx
 
@@ -68,6 +70,7 @@ class Outcome:
     dropped: str | None = None  # the connection failed: a transport error, or the proxy's own 5xx
     retry_after: str | None = None  # the Retry-After header of a refusal
     cut: str | None = None  # a silent cut: ended cleanly with neither a finish nor an error
+    events: list[tuple[float, int]] = field(default_factory=list)  # a stream's events: (s since start, chars so far)
 
     @property
     def seconds(self) -> float:
@@ -118,6 +121,7 @@ async def send(client: httpx.AsyncClient, url: str, spec: Spec) -> Outcome:
                 return out
             async for event in sse_events(r):
                 take_event(out, event)
+                out.events.append((time.monotonic() - out.start, len(out.text)))
         if not (out.finished or out.error):
             out.cut = "the stream ended without a finish or an error"
     except httpx.HTTPError as e:  # the client library raises: the connection broke, not a silent end
@@ -187,8 +191,8 @@ def tally(outcomes: list[Outcome], kills: list, references: dict) -> dict:
     """Per layer (and "no kill"): the figures the soak reports."""
     rows: dict[str, list[Outcome]] = {}
     for o in outcomes:
-        last = [k for k in kills if k[0] <= o.end and o.end - k[0] <= WINDOW_S and not k[2].startswith("not")]
-        rows.setdefault(last[-1][1] if last else "no kill", []).append(o)
+        kill = last_kill(o, kills)
+        rows.setdefault(kill[1] if kill else "no kill", []).append(o)
     table = {}
     for layer, os_ in sorted(rows.items()):
         checked = [o for o in os_ if o.spec in references and o.finished and not o.error]
@@ -202,13 +206,41 @@ def tally(outcomes: list[Outcome], kills: list, references: dict) -> dict:
             "silent_cuts": sum(o.cut is not None and o.error is None for o in os_),
             "p50_s": round(seconds[len(seconds) // 2], 2) if seconds else None,
             "p99_s": round(seconds[min(len(seconds) - 1, int(len(seconds) * 0.99))], 2) if seconds else None,
-            "differing": sorted({f"{o.spec.kind} stream={o.spec.stream} {o.spec.prompt[:20]!r}" for o in checked
-                                 if o.text != references[o.spec]}),
+            "differing": sorted({name(o.spec) for o in checked if o.text != references[o.spec]}),
+            "differences": [difference(o, references[o.spec], last_kill(o, kills)) for o in checked
+                            if o.text != references[o.spec]],
             "errors": sorted({f"{o.status} {o.error.get('code')}: {o.error['message'][:50]}" for o in os_ if o.error}),
             "cuts": sorted({o.cut[:80] for o in os_ if o.cut})[:5],
             "drops": sorted({o.dropped[:80] for o in os_ if o.dropped})[:5],
         }
     return table
+
+
+def last_kill(o: Outcome, kills: list) -> tuple | None:
+    """The kill a request is counted against: the last one before it ended, within WINDOW_S."""
+    last = [k for k in kills if k[0] <= o.end and o.end - k[0] <= WINDOW_S and not k[2].startswith("not")]
+    return last[-1] if last else None
+
+
+def name(spec: Spec) -> str:
+    return f"{spec.kind} stream={spec.stream} {spec.prompt[:20]!r}"
+
+
+def difference(o: Outcome, reference: str, kill: tuple | None) -> dict:
+    """A request that differs from its reference, as its client saw it: both texts, where they part, and
+    where its stream paused longest. The failover's markers (its resume state: token ids, characters)
+    never reach the client, and completions carry no token ids; a cut resumed on another ingress
+    shows as that pause: the events and characters received before it."""
+    at = next((i for i, (a, b) in enumerate(zip(o.text, reference)) if a != b), min(len(o.text), len(reference)))
+    row = {"request": name(o.spec), "reference": reference, "got": o.text, "first_differing_char": at,
+           "seconds": round(o.seconds, 3)}
+    if kill is not None:
+        row["kill"] = {"layer": kill[1], "replica": kill[2], "s_after_start": round(kill[0] - o.start, 3)}
+    if len(o.events) > 1:
+        pause, i = max((b[0] - a[0], i) for i, (a, b) in enumerate(zip(o.events, o.events[1:]), 1))
+        row["longest_pause"] = {"seconds": round(pause, 3), "events_before": i, "chars_before": o.events[i - 1][1],
+                                "at_s": round(o.events[i - 1][0], 3), "events": len(o.events)}
+    return row
 
 
 def markdown(table: dict) -> str:
@@ -261,8 +293,8 @@ def run(target: str, draft: str, seconds: float, clients: int = 4, tp: int = 1, 
             stop.set()
             killer.join(timeout=60)
     table = tally(outcomes, kills, refs)
-    return {"seconds": seconds, "clients": clients, "tp": tp, "kills": [(round(t - kills[0][0], 1) if kills else 0, l, n)
-                                                                        for t, l, n in kills],
+    return {"seconds": seconds, "clients": clients, "tp": tp, "seed": seed,
+            "kills": [(round(t - kills[0][0], 1) if kills else 0, l, n) for t, l, n in kills],
             "references": len(refs), "table": table}
 
 
@@ -311,7 +343,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks per target replica (2 adds rank kills)")
     p.add_argument("--clients", type=int, default=4)
     p.add_argument("--max-tokens", type=int, default=32)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, nargs="+", default=[0],
+                   help="seeds of the kills and the load; several soak one after another, each on a fresh cluster")
     p.add_argument("--json", help="write the report here")
     p.add_argument("--overload", type=int, metavar="FACTOR",
                    help="instead of the soak: FACTOR x the target pool's capacity at once (capacity kept small)")
@@ -327,16 +360,19 @@ def main(argv: list[str] | None = None) -> int:
         ok = report["completed"] == report["identical"] == report["accepted"] and not report["other"] \
             and report["refused"] == report["refused_with_retry_after"] == report["refused_openai_body"]
         return 0 if ok else 1
-    report = run(target, draft, args.minutes * 60, args.clients, args.tp, args.seed, max_tokens=args.max_tokens)
-    print(markdown(report["table"]))
-    for layer, row in report["table"].items():
-        if row["errors"] or row["cuts"] or row["drops"] or row["differing"]:
-            print(f"{layer}: errors {row['errors']} drops {row['drops']} cuts {row['cuts']} "
-                  f"differing {row['differing']}")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(report, f, indent=1)
-    return 0 if lost_nothing(report["table"]) else 1
+    reports = []
+    for seed in args.seed:
+        report = run(target, draft, args.minutes * 60, args.clients, args.tp, seed, max_tokens=args.max_tokens)
+        print(f"seed {seed}:\n{markdown(report['table'])}")
+        for layer, row in report["table"].items():
+            if row["errors"] or row["cuts"] or row["drops"] or row["differing"]:
+                print(f"{layer}: errors {row['errors']} drops {row['drops']} cuts {row['cuts']} "
+                      f"differing {row['differing']}")
+        reports.append(report)
+        if args.json:  # written after each seed: a long run's earlier seeds survive a later failure
+            with open(args.json, "w") as f:
+                json.dump(reports[0] if len(args.seed) == 1 else {"runs": reports}, f, indent=1)
+    return 0 if all(lost_nothing(r["table"]) for r in reports) else 1
 
 
 def lost_nothing(table: dict) -> bool:

@@ -24,11 +24,13 @@ connection with nothing said.
 import asyncio
 import json
 import logging
+import os
 
-from pydantic import BaseModel, Field, ValidationError, conlist, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, conlist, field_validator
 
-from app.openai_protocol import error_body, sse_event
-from app.params import MAX_SEED, MIN_SEED
+from app.openai_protocol import MAX_CHOICES, error_body, sse_event
+from app.params import MAX_SEED, MAX_TOKEN_ID, MIN_SEED
+from deployments.config import LimitsConfig
 
 log = logging.getLogger("ray.serve")
 
@@ -37,14 +39,24 @@ GUARD_HEADER = b"x-specserve-failover"  # set by the middleware: the ingress the
 RESUME_HEADER = b"x-specserve-resume"  # the state a resumed request continues from
 MARKER = b": specserve "  # an SSE comment carrying state: clients ignore comments, the middleware removes them
 RETRY_AFTER_S = 1
+# The proxy holds every client's connection on its node, so it bounds what it buffers before the
+# ingress's own checks: a body over the limit gets 413 unread, a sender slower than the timeouts 408.
+# Its limit is the ingress's default `limits.max_body_bytes`; an app that raises that sets
+# SPECSERVE_PROXY_MAX_BODY_BYTES in the proxies' environment too.
+MAX_BODY_BYTES = LimitsConfig.model_fields["max_body_bytes"].default
+BODY_IDLE_TIMEOUT_S = 15.0  # longest wait for the next piece of a body
+BODY_TIMEOUT_S = 60.0  # longest time to receive a whole body
 
 
 class ChoiceResume(BaseModel):
-    """Where one choice of a request stands: enough for another replica to continue it."""
+    """Where one choice of a request stands: enough for another replica to continue it. Checked like
+    user input: anyone who reaches an ingress replica can send it."""
+
+    model_config = ConfigDict(allow_inf_nan=False)
 
     seed: int = Field(ge=MIN_SEED, le=MAX_SEED, description="the choice's draw seed (its own, or the one the ingress chose)")
     ids: list[int] = Field(default_factory=list, description="output token ids already streamed")
-    chars: int = Field(default=0, ge=0, description="characters of output text already streamed")
+    chars: int = Field(default=0, ge=0, le=MAX_TOKEN_ID, description="characters of output text already streamed")
     ctl: conlist(float, min_length=3, max_length=3) | None = Field(
         default=None, description="the K controller's state after the last streamed round")
     done: bool = Field(default=False, description="whether the choice's final chunk was streamed")
@@ -52,8 +64,8 @@ class ChoiceResume(BaseModel):
     @field_validator("ctl")
     @classmethod
     def _counts(cls, v):
-        if v is not None and min(v) < 0:
-            raise ValueError("controller counts must be >= 0")
+        if v is not None and not all(0 <= c <= MAX_TOKEN_ID for c in v):
+            raise ValueError(f"controller counts must be in [0, {MAX_TOKEN_ID}]")
         return v
 
 
@@ -61,7 +73,7 @@ class Resume(BaseModel):
     """A streamed request's state, as the middleware sends it in RESUME_HEADER."""
 
     rid: str = Field(max_length=128, description="the response id the client has seen")
-    choices: list[ChoiceResume] = Field(description="each choice's state, in the response's order")
+    choices: list[ChoiceResume] = Field(max_length=MAX_CHOICES, description="each choice's state, in the response's order")
 
     def apply(self, step: dict) -> None:
         """Take in one event's report: {i, ids, chars, ctl, done} of choice i."""
@@ -181,15 +193,23 @@ class FailoverMiddleware:
     request at the first retry."""
 
     def __init__(self, app, retries: int = 18, backoff_s: float = 0.25, max_backoff_s: float = 2.0,
-                 sleep=asyncio.sleep):
+                 sleep=asyncio.sleep, max_body_bytes: int | None = None, idle_timeout_s: float = BODY_IDLE_TIMEOUT_S,
+                 body_timeout_s: float = BODY_TIMEOUT_S):
         self.app, self.retries, self.sleep = app, retries, sleep
         self.backoff_s, self.max_backoff_s = backoff_s, max_backoff_s
+        self.max_body_bytes = max_body_bytes or int(os.environ.get("SPECSERVE_PROXY_MAX_BODY_BYTES") or MAX_BODY_BYTES)
+        self.idle_timeout_s, self.body_timeout_s = idle_timeout_s, body_timeout_s
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http" or scope["method"] != "POST" or scope["path"] not in GENERATION_PATHS:
             return await self.app(scope, receive, send)
-        body, gone = await _read_body(receive)
-        if gone:
+        try:
+            body = await _read_body(scope, receive, self.max_body_bytes, self.idle_timeout_s, self.body_timeout_s)
+        except _ClientGone:
+            return
+        except _Refused as e:
+            for m in e.messages():
+                await send(m)
             return
         client = {"gone": False}
         headers = [(k, v) for k, v in scope["headers"] if not k.startswith(b"x-specserve-")]
@@ -220,16 +240,50 @@ class FailoverMiddleware:
                 await send(m)
 
 
-async def _read_body(receive) -> tuple[bytes, bool]:
-    """The whole request body, and whether the client went away before sending it."""
-    parts = []
+class _ClientGone(Exception):
+    """The client went away before its body was read."""
+
+
+class _Refused(Exception):
+    """A body the proxy will not read on: answered with `status` and OpenAI's body."""
+
+    def __init__(self, status: int, message: str, type_: str):
+        super().__init__(message)
+        self.status, self.type = status, type_
+
+    def messages(self) -> list[dict]:
+        body = json.dumps(error_body(str(self), self.type, code=self.status)).encode()
+        headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
+                   (b"connection", b"close")]
+        return [{"type": "http.response.start", "status": self.status, "headers": headers},
+                {"type": "http.response.body", "body": body, "more_body": False}]
+
+
+async def _read_body(scope, receive, limit: int, idle_timeout_s: float, timeout_s: float) -> bytes:
+    """The whole request body, read within `limit` bytes and the timeouts (a declared length over
+    the limit is refused before reading); raises _Refused or _ClientGone."""
+    too_large = _Refused(413, f"request body over {limit} bytes", "invalid_request_error")
+    declared = dict(scope["headers"]).get(b"content-length", b"")
+    if declared.isdigit() and int(declared) > limit:
+        raise too_large
+    loop = asyncio.get_running_loop()
+    deadline, parts, size = loop.time() + timeout_s, [], 0
     while True:
-        message = await receive()
+        wait = min(idle_timeout_s, deadline - loop.time())
+        try:
+            message = await asyncio.wait_for(receive(), max(wait, 0.001))
+        except asyncio.TimeoutError:
+            raise _Refused(408, f"request body not received in time (a pause over {idle_timeout_s:g} s or over "
+                                f"{timeout_s:g} s in all)", "timeout_error") from None
         if message["type"] == "http.disconnect":
-            return b"", True
-        parts.append(message.get("body", b""))
+            raise _ClientGone()
+        part = message.get("body", b"")
+        size += len(part)
+        if size > limit:
+            raise too_large
+        parts.append(part)
         if not message.get("more_body", False):
-            return b"".join(parts), False
+            return b"".join(parts)
 
 
 def _replay(body: bytes, receive, client: dict):

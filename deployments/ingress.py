@@ -6,8 +6,10 @@ Errors always take OpenAI's body ({"error": {message, type, param, code}}) with 
 """
 
 import asyncio
+import concurrent.futures
+import hashlib
 import hmac
-import json
+import logging
 import os
 import secrets
 import uuid
@@ -29,14 +31,15 @@ from app.errors import InvalidRequestError
 from app.grammar import Grammars, grammar_of
 from app.openai_protocol import (MAX_CHOICES, ChatCompletionRequest, ChoiceView, CompletionRequest,
                                  chat_prompt_ids, choice_body, choice_seed, combined_speculation, completion_body,
-                                 default_max_tokens, error_body, join_logprobs, new_id, normalise_body, sse_event,
-                                 usage_body)
+                                 default_max_tokens, error_body, join_logprobs, load_json, new_id, normalise_body,
+                                 sse_event, usage_body)
 from app.params import SamplingParams, SpeculationParams, check_vocabulary
 from deployments.config import AppConfig
 from deployments.failover import GUARD_HEADER, RESUME_HEADER, ChoiceResume, marker, read_resume
 from deployments.metrics import VLLMSpecDecodeCounters
 from deployments.router import Router
 
+log = logging.getLogger("ray.serve")
 # used when a tokenizer ships no chat template (the demo pair): plain "role: content" turns
 DEFAULT_CHAT_TEMPLATE = (
     "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
@@ -121,14 +124,15 @@ async def _http_error(_, exc: StarletteHTTPException):
 
 
 @api.exception_handler(Exception)
-async def _internal(_, exc: Exception):
-    return JSONResponse(error_body(f"internal error: {type(exc).__name__}", "internal_error"), 500)
+async def _internal(request: Request, exc: Exception):
+    log.error("%s %s failed", request.method, request.url.path, exc_info=exc)
+    return JSONResponse(error_body(f"internal error: {type(exc).__name__}", "internal_error", code=500), 500)
 
 
 def invalid(errors: list[dict]) -> APIError:
     """pydantic errors as a 400 naming the first bad parameter."""
     err = errors[0]
-    param = ".".join(str(p) for p in err.get("loc", ()) if p != "body") or None
+    param = ".".join(str(p) for p in err.get("loc", ()) if p != "body" and not isinstance(p, int)) or None
     return APIError(400, f"invalid {param or 'request'}: {err.get('msg')}", "invalid_request_error", param)
 
 
@@ -170,7 +174,11 @@ class Ingress:
         self.tokenizer = AutoTokenizer.from_pretrained(tokenizer_path)
         if not getattr(self.tokenizer, "chat_template", None):
             self.tokenizer.chat_template = DEFAULT_CHAT_TEMPLATE
-        self.api_key = os.environ.get(cfg.api_key_env) or None  # a secret from the environment, never the config
+        # secrets from the environment, never the config: one key, or several separated by commas
+        self.api_keys = [k.strip().encode() for k in (os.environ.get(cfg.api_key_env) or "").split(",") if k.strip()]
+        # tokenizing, chat templates and grammar checks run here, off the event loop that streams every
+        # other request; one thread, since a fast tokenizer's settings are not safe to share between threads
+        self.prepare = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="specserve-prepare")
         default = cfg.speculation.default_num_tokens
         self.default_spec = SpeculationParams(num_tokens=default)
         self.spec_counters = VLLMSpecDecodeCounters(model_name)
@@ -202,14 +210,19 @@ class Ingress:
         return await self._serve(request, ChatCompletionRequest, chat=True)
 
     # -- the request path --------------------------------------------------------------------
-    def _authorize(self, request: Request) -> None:
-        if self.api_key is None:
-            return
+    def _authorize(self, request: Request) -> str | None:
+        """Check the API key; the caller's prefix-cache scope: its key's digest (None: no keys set), so
+        clients of different keys never reuse each other's cached prompts (nor learn of them)."""
+        if not self.api_keys:
+            return None
         given = request.headers.get("authorization", "")
-        token = given[7:] if given.lower().startswith("bearer ") else ""
-        if not hmac.compare_digest(token.encode(), self.api_key.encode()):
+        token = (given[7:] if given.lower().startswith("bearer ") else "").encode()
+        # every key compared, in constant time: which key matched leaks nothing through timing
+        matched = [hmac.compare_digest(token, key) for key in self.api_keys]
+        if not any(matched):
             raise APIError(401, "missing or wrong API key: send Authorization: Bearer <key>",
                            "authentication_error", code="invalid_api_key")
+        return hashlib.sha256(token).hexdigest()[:32]
 
     async def _parse(self, request: Request, model_cls):
         length = request.headers.get("content-length")
@@ -219,12 +232,9 @@ class Ingress:
         if len(raw) > self.cfg.limits.max_body_bytes:
             raise APIError(413, f"request body over {self.cfg.limits.max_body_bytes} bytes", "invalid_request_error")
         try:
-            data = json.loads(raw.decode("utf-8"))
-        except (UnicodeDecodeError, json.JSONDecodeError) as e:
-            raise APIError(400, f"body is not valid UTF-8 JSON: {e}", "invalid_request_error") from None
-        if not isinstance(data, dict):
-            raise APIError(400, "body must be a JSON object", "invalid_request_error")
-        try:
+            data = load_json(raw)
+            if not isinstance(data, dict):
+                raise InvalidRequestError("body must be a JSON object")
             return model_cls.model_validate(normalise_body(data, model_cls))
         except InvalidRequestError as e:
             raise APIError(400, str(e), "invalid_request_error", e.param) from None
@@ -284,28 +294,19 @@ class Ingress:
                 span.end()
 
     async def _respond(self, request: Request, model_cls, chat: bool, span):
-        self._authorize(request)
+        scope = self._authorize(request)
         body = await self._parse(request, model_cls)
         if body.model != self.model_name:
             raise APIError(404, f"model {body.model!r} does not exist; this server has {self.model_name!r}",
                            "not_found_error", "model", "model_not_found")
-        prompts = self._prompt_ids(body, chat)
         spec = body.speculation
         if spec is not None and spec.pinned_k() is not None and spec.pinned_k() > self.cfg.speculation.k_max:
             raise APIError(400, f"speculation.num_tokens must be <= {self.cfg.speculation.k_max}",
                            "invalid_request_error", "speculation.num_tokens")
-        jobs, views = [], []  # (prompt ids, params) of each choice, in OpenAI's order: n choices per prompt
-        echo = not chat and body.echo
-        for i, ids in enumerate(prompts):
-            sampling = self._sampling(body, len(ids), chat)
-            params = sampling.model_dump()
-            for j in range(body.n):
-                seed = params["seed"]
-                jobs.append((ids, {**params, "seed": choice_seed(seed, j) if seed is not None else None}))
-                echoed = (p if isinstance(p := body.prompts()[i], str) else self.tokenizer.decode(ids)) if echo else None
-                views.append(ChoiceView(self.tokenizer, chat, sampling.logprobs is not None, echoed, ids,
-                                        self._token_bytes))
-        resume = self._resume(request, body, jobs)
+        salt = "/".join(s for s in (scope, body.cache_salt) if s is not None) or None
+        resume_header = request.headers.get(RESUME_HEADER.decode())
+        prompts, jobs, views, resume = await asyncio.get_running_loop().run_in_executor(
+            self.prepare, self._prepare, body, chat, salt, resume_header)
         starts = resume.choices if resume else [ChoiceResume(seed=p["seed"] if p["seed"] is not None
                                                              else secrets.randbits(62)) for _, p in jobs]
         rid = resume.rid if resume else new_id("chatcmpl" if chat else "cmpl")
@@ -341,12 +342,30 @@ class Ingress:
         return completion_body(rid, self.model_name, choices, None, usage,
                                combined_speculation([last["speculation"] for _, last, _ in done]), chat, delta=False)
 
-    def _resume(self, request: Request, body, jobs: list[tuple[list[int], dict]]):
+    def _prepare(self, body, chat: bool, salt: str | None, resume_header: str | None):
+        """The request's prompts as ids, its choices' (prompt ids, params) and views in OpenAI's order
+        (n choices per prompt), and where a resumed stream stands: the CPU work of a request, run off
+        the event loop (tokenizer, chat template, grammar check)."""
+        prompts = self._prompt_ids(body, chat)
+        jobs, views = [], []
+        echo = not chat and body.echo
+        for i, ids in enumerate(prompts):
+            sampling = self._sampling(body, len(ids), chat, salt)
+            params = sampling.model_dump()
+            for j in range(body.n):
+                seed = params["seed"]
+                jobs.append((ids, {**params, "seed": choice_seed(seed, j) if seed is not None else None}))
+                echoed = (p if isinstance(p := body.prompts()[i], str) else self.tokenizer.decode(ids)) if echo else None
+                views.append(ChoiceView(self.tokenizer, chat, sampling.logprobs is not None, echoed, ids,
+                                        self._token_bytes))
+        return prompts, jobs, views, self._resume(resume_header, body, jobs)
+
+    def _resume(self, header: str | None, body, jobs: list[tuple[list[int], dict]]):
         """Where a stream another ingress replica began stands (set by the proxy's failover), or None;
         checked like any input (whoever reaches a replica can send the header)."""
         name = RESUME_HEADER.decode()
         try:
-            resume = read_resume(request.headers.get(name))
+            resume = read_resume(header)
         except ValueError as e:
             raise APIError(400, str(e), "invalid_request_error") from None
         if resume is None:
@@ -368,10 +387,10 @@ class Ingress:
         except InvalidRequestError:
             return self.tokenizer.decode([token], skip_special_tokens=False).encode()
 
-    def _sampling(self, body, prompt_len: int, chat: bool) -> SamplingParams:
+    def _sampling(self, body, prompt_len: int, chat: bool, salt: str | None = None) -> SamplingParams:
         """A prompt's sampling parameters, checked against the model (a 400 naming what is wrong)."""
         try:
-            sampling = body.sampling(self._max_tokens(body, prompt_len, chat), self.default_spec)
+            sampling = body.sampling(self._max_tokens(body, prompt_len, chat), self.default_spec, salt)
             check_vocabulary(sampling, len(self.tokenizer))
             if (grammar := grammar_of(sampling.response_format)) is not None:
                 self.grammars.check(grammar)
@@ -409,6 +428,13 @@ class Ingress:
                            code="overloaded", headers={"Retry-After": "1"}) from None
         except StopAsyncIteration:
             raise APIError(503, "generation ended without a result", "service_unavailable") from None
+        except InvalidRequestError as e:  # the target refused the job (Ray re-raises it as a subclass)
+            raise APIError(400, str(e), "invalid_request_error", e.param) from None
+        except (APIError, asyncio.CancelledError):
+            raise
+        except Exception as e:  # the server's fault: said in OpenAI's body, logged with what it was
+            log.exception("generation failed")
+            raise APIError(500, f"internal error: {type(e).__name__}", "internal_error", code=500) from None
 
     async def _sse(self, rid: str, live: list[int], firsts: list[dict], streams: list, views: list[ChoiceView],
                    deadline: float, chat: bool, include_usage: bool, prompt_tokens: int, continuous: bool, span=None,
@@ -418,6 +444,7 @@ class Ingress:
         (a resumed stream's finished ones are not), in the order of `streams`. With `starts`, each
         event goes with a report of the state it leaves its choice in (deployments/failover.py)."""
         queue: asyncio.Queue = asyncio.Queue()
+        loop = asyncio.get_running_loop()
 
         async def pump(index: int, stream, chunk: dict) -> None:
             while True:
@@ -428,6 +455,9 @@ class Ingress:
                     chunk = await self._next(stream, deadline)
                 except APIError as e:
                     chunk = error_body(e.message, e.type, e.param, e.code)
+                except Exception as e:  # whatever it is, the stream hears of it and ends
+                    log.exception("stream %s: choice %d failed", rid, index)
+                    chunk = error_body(f"internal error: {type(e).__name__}", "internal_error", code=500)
 
         pumps = [asyncio.ensure_future(pump(i, s, f)) for i, s, f in zip(live, streams, firsts)]
         everyone = starts or [ChoiceResume(seed=0) for _ in views]
@@ -438,7 +468,12 @@ class Ingress:
             yield marker({"rid": rid, "seeds": [c.seed for c in starts]})
         try:
             while len(finals) < len(views):
-                index, chunk = await queue.get()
+                try:  # the pumps answer within the deadline; this bounds the wait if one cannot
+                    index, chunk = await asyncio.wait_for(queue.get(), max(deadline - loop.time(), 0) + 5.0)
+                except asyncio.TimeoutError:
+                    yield sse_event(error_body(f"request exceeded {self.cfg.limits.request_timeout_s}s",
+                                               "timeout_error", code="timeout"))
+                    break
                 if chunk.get("error"):
                     yield sse_event({"error": chunk["error"]})
                     break
@@ -468,6 +503,9 @@ class Ingress:
                         usage_body(prompt_tokens, sum(f["usage"]["completion_tokens"] for f in finals.values())),
                         combined_speculation(specs) if specs else None, chat, delta=True)
                     yield sse_event(usage_chunk)
+        except Exception as e:  # a bug here must not leave the client waiting: an error event, then [DONE]
+            log.exception("stream %s failed", rid)
+            yield sse_event(error_body(f"internal error: {type(e).__name__}", "internal_error", code=500))
         finally:
             await _stop(pumps, streams)  # a client that went away stops the generations and frees their caches
             if span is not None:

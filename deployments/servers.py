@@ -86,11 +86,11 @@ class _Server:
         self.metrics = ServerMetrics()
         telemetry.configure_tracing(type(self).__name__)
 
-    def _queue(self, forward, release, batch: BatchConfig, name: str, **budget) -> ForwardQueue:
+    def _queue(self, forward, release, batch: BatchConfig, name: str, forget, **budget) -> ForwardQueue:
         def on_batch(size: int) -> None:
             self.metrics.batch(size, self.cache)
         return ForwardQueue(forward, release, name=name, max_items=batch.max_batch_size,
-                            extra_stats={"replica": self.replica_id}, on_batch=on_batch, **budget)
+                            extra_stats={"replica": self.replica_id}, on_batch=on_batch, forget=forget, **budget)
 
     @property
     def cache(self):
@@ -110,9 +110,11 @@ class _Server:
                 "prefix_hit_tokens": cache.prefix_hit_tokens, "served": self.served}
 
     async def check_health(self) -> None:
-        """Serve's health check: the model must be loaded."""
+        """Serve's health check: the model must be loaded, and no forward may have hit a device fault."""
         if self.runner is None or self.runner.model is None:
             raise RuntimeError("model not loaded")
+        if self.queue.fault:
+            raise RuntimeError(f"a forward failed on the device: {self.queue.fault}")
 
     async def _release(self, seq_id: str) -> None:
         self.runner.release(seq_id)
@@ -127,7 +129,7 @@ class DraftServer(_Server):
         # a draft forward: a step of every sequence in the batch, or a new sequence's whole prompt
         self.runner = load_runner(cfg, path, max(batch.max_batch_size, DRAFT_PREFILL_TOKENS))
         self.queue = self._queue(in_thread(functools.partial(propose, self.runner, top_n=top_n)), self._release,
-                                 batch, "DraftServer.propose")
+                                 batch, "DraftServer.propose", self.runner.forget)
 
     async def propose_many(self, calls: Calls) -> list[Proposal | BaseException]:
         """A target replica's proposals of one step: each joins the forward queue; one that fails fails alone."""
@@ -153,6 +155,7 @@ class TargetServer(_Server):
             self.runner = load_runner(cfg, path, batch.max_batch_tokens)
             tokenizer, vocab, eos = self.runner.tokenizer, self.runner.vocab_size, self.runner.eos_ids
             forward, release = in_thread(functools.partial(verify, self.runner)), self._release
+            forget = self.runner.forget
         else:
             from transformers import AutoTokenizer
 
@@ -161,9 +164,9 @@ class TargetServer(_Server):
             tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=cfg.trust_remote_code)
             vocab = len(tokenizer)
             eos = eos_ids(load_generation_config(path, cfg.trust_remote_code), tokenizer)
-            forward, release = self.ranks.verify, self._release_ranks
-        self.queue = self._queue(forward, release, batch, "TargetServer.verify", max_tokens=batch.max_batch_tokens,
-                                 cost=verify_tokens)
+            forward, release, forget = self.ranks.verify, self._release_ranks, self.ranks.forget
+        self.queue = self._queue(forward, release, batch, "TargetServer.verify", forget,
+                                 max_tokens=batch.max_batch_tokens, cost=verify_tokens)
         self.round_metrics = RoundMetrics()
         self.speculation = speculation
         self.batch_ema = 1.0  # verify batch size, smoothed: the load that load-aware K weighs

@@ -14,18 +14,40 @@ from dataclasses import dataclass
 
 import ray
 import torch
+from ray.exceptions import RayActorError, RayTaskError
 from ray.util.placement_group import get_current_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
+from app.errors import ReplicaFault, is_fault
 from app.memory import size_kv_budget
 from app.runner import DTYPES, ModelRunner
 from app.spec import Verdict, VerifyItem, verify
 from deployments.config import ModelConfig, TargetConfig
 
 
-class RankFailure(RuntimeError):
+class RankFailure(ReplicaFault):
     """A rank worker died or hung: the replica is unhealthy and Serve replaces it."""
+
+
+def group_result(results: list):
+    """Rank 0's answer of a call made to every rank (each result, or the exception it raised).
+
+    Every rank computes the same thing from the same items, so a request's bad value raises the same
+    error on every rank, at the same point, after the same collectives: the group is intact and the
+    error is the request's (raised as its own type, for the forward queue to isolate). Anything else
+    (a rank dead, hung, a device fault, ranks that disagree) is a RankFailure: collectives may be out
+    of step, and only a new group is safe.
+    """
+    errors = [r for r in results if isinstance(r, BaseException)]
+    if not errors:
+        return results[0]
+    request_errors = [e for e in errors if isinstance(e, RayTaskError) and not isinstance(e, RayActorError)
+                      and not is_fault(e.cause)]
+    if len(request_errors) == len(results) and len({type(e.cause) for e in request_errors}) == 1:
+        raise request_errors[0].as_instanceof_cause()
+    first = errors[0]
+    raise RankFailure(f"{type(first).__name__}: {first}") from first
 
 
 def check_divisible(path: str, n: int, trust_remote_code: bool = False) -> None:
@@ -88,6 +110,9 @@ class RankWorker:
     def release(self, seq_id: str) -> None:
         self.runner.release(seq_id)
 
+    def forget(self, seq_id: str) -> None:
+        self.runner.forget(seq_id)
+
     def stats(self) -> "CacheSnapshot":
         return CacheSnapshot.of(self.runner.cache)
 
@@ -134,11 +159,14 @@ class RankGroup:
             raise RankFailure(self.failed)
         refs = [getattr(r, method).remote(*args) for r in self.ranks]
         try:
-            results = await asyncio.wait_for(asyncio.gather(*refs), self.timeout_s)
-        except Exception as e:
-            self.failed = f"rank worker failed during {method}: {type(e).__name__}: {e}"
+            results = await asyncio.wait_for(asyncio.gather(*refs, return_exceptions=True), self.timeout_s)
+            return group_result(results)
+        except RankFailure as e:
+            self.failed = f"rank worker failed during {method}: {e}"
+            raise
+        except asyncio.TimeoutError as e:
+            self.failed = f"rank worker failed during {method}: no answer in {self.timeout_s:g} s"
             raise RankFailure(self.failed) from e
-        return results[0]
 
     async def verify(self, items: list[VerifyItem]) -> list[Verdict]:
         verdicts, self.cache = await self._all("verify", items)
@@ -146,6 +174,9 @@ class RankGroup:
 
     async def release(self, seq_id: str) -> None:
         await self._all("release", seq_id)
+
+    async def forget(self, seq_id: str) -> None:
+        await self._all("forget", seq_id)
 
     async def stats(self) -> CacheSnapshot:
         self.cache = await self._all("stats")

@@ -1,5 +1,7 @@
 """The in-process engine: greedy identity with plain decoding, seeded determinism, stops, bad input."""
 
+import asyncio
+
 import pytest
 import torch
 
@@ -77,6 +79,59 @@ def test_seeded_sampling_is_the_same_with_and_without_speculation_k(target_model
     engine = Engine(ModelRunner(target_model, tokenizer), ModelRunner(drafts["partial"], tokenizer))
     params = SamplingParams(temperature=0.8, max_tokens=16, seed=7, ignore_eos=True, speculation={"num_tokens": 3})
     assert engine.generate(PROMPTS[2], params)[0].token_ids == engine.generate(PROMPTS[2], params)[0].token_ids
+
+
+def test_same_prompt_choices_share_one_prefill(target_model, tokenizer, drafts):
+    """A request's n choices (n sequences, one context) on one engine: the first prefills it, the others
+    wait for that and borrow its KV, computing only their last position; each output is what it is alone."""
+    prompt = PROMPTS[1]
+    seeded = [SamplingParams(temperature=0.9, max_tokens=16, seed=s, ignore_eos=True) for s in range(4)]
+
+    def engine():
+        return Engine(ModelRunner(target_model, tokenizer), ModelRunner(drafts["partial"], tokenizer))
+
+    for params in ([greedy(16)] * 4, seeded):
+        shared = engine()
+        together = shared.generate([prompt] * 4, params)
+        n = len(together[0].prompt_token_ids)
+        assert shared.target.cache.prefix_hit_tokens == 3 * (n - 1)
+        assert [r.token_ids for r in together] == [engine().generate(prompt, p)[0].token_ids for p in params]
+        assert not shared.prefills._now
+
+
+@pytest.mark.parametrize("how", ["fails", "is cancelled"])
+def test_a_leader_that_ends_before_its_prefill_releases_its_waiters(how, target_model, tokenizer):
+    engine = Engine(ModelRunner(target_model, tokenizer))
+    submit, log = engine.verifier.submit, []
+
+    async def verify(item):
+        log.append(item.seq_id)
+        if item.seq_id == "lead":
+            await asyncio.sleep(0.05)
+            log.append("lead ended")
+            if how == "fails":
+                raise RuntimeError("the target lost this sequence")
+            asyncio.current_task().cancel()
+            await asyncio.sleep(1)
+        return await submit(item)
+
+    engine.verifier.submit = verify
+    states = [engine.new_request(PROMPTS[1], greedy(8), request_id=r) for r in ("lead", "f1", "f2")]
+
+    async def run(state):
+        async for _ in engine.stream(state):
+            pass
+
+    async def main():
+        return await asyncio.wait_for(asyncio.gather(*(run(s) for s in states), return_exceptions=True), 60)
+
+    lead, *followers = asyncio.run(main())
+    assert isinstance(lead, RuntimeError if how == "fails" else asyncio.CancelledError)
+    assert followers == [None, None]
+    assert log.index("lead ended") < min(log.index("f1"), log.index("f2"))  # they waited for it, then went on
+    for s in states[1:]:
+        assert s.output_ids == reference(target_model, s.prompt_ids, 8)
+    assert not engine.prefills._now
 
 
 def test_draft_with_padded_vocabulary_works(target_model, tokenizer):

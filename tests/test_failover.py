@@ -266,17 +266,23 @@ def test_an_ingress_answers_resume_state_that_does_not_fit_the_request_with_a_40
     me, jobs = SimpleNamespace(tokenizer=tokenizer), [([1, 2], {"max_tokens": 4})]
 
     def resume(state, stream=True):
-        request = SimpleNamespace(headers={RESUME_HEADER.decode(): state})
-        return Ingress._resume(me, request, SimpleNamespace(stream=stream), jobs)
+        return Ingress._resume(me, state, SimpleNamespace(stream=stream), jobs)
 
     def state(*choices):
         return json.dumps({"rid": "cmpl-1", "choices": list(choices)})
     assert resume(state({"seed": 1, "ids": [3, 4], "chars": 2})).choices[0].ids == [3, 4]
-    assert Ingress._resume(me, SimpleNamespace(headers={}), SimpleNamespace(stream=True), jobs) is None
+    assert Ingress._resume(me, None, SimpleNamespace(stream=True), jobs) is None
     for bad, stream in [(state({"seed": 1, "ids": [len(tokenizer)]}), True),  # outside the vocabulary
                         (state({"seed": 1, "ids": [1] * 5}), True),  # more than max_tokens
                         (state({"seed": 1}, {"seed": 2}), True),  # two choices for one
                         (state({"seed": 2**63}), True),  # a seed no generator takes
+                        # non-finite or huge controller state: int() of it raised on the target, after
+                        # which the request held its slot until its timeout
+                        (state({"seed": 1, "ctl": [float("nan"), 1, 1]}), True),
+                        (state({"seed": 1, "ctl": [1, float("inf"), 1]}), True),
+                        (state({"seed": 1, "ctl": [1, 1, 1e300]}), True),
+                        (state({"seed": 1, "chars": 2**64}), True),
+                        ('{"rid": "x", "choices": ' + "[" * 10000 + "]" * 10000 + "}", True),  # deep nesting
                         ("not json", True),
                         (state({"seed": 1}), False)]:  # a unary request has no stream to resume
         with pytest.raises(APIError) as e:

@@ -12,10 +12,13 @@ import pytest
 import torch
 from transformers import LogitsProcessor, LogitsProcessorList
 
+import app.grammar
 import app.spec as spec
 from app.engine import Engine
 from app.errors import InvalidRequestError
 from app.grammar import Grammars, grammar_of
+from app.kv import KVStore, SequenceCache
+from app.logits import LogitRules
 from app.params import parse_sampling
 from app.runner import ModelRunner
 from conftest import blend, make_byte_tokenizer, make_model
@@ -140,3 +143,73 @@ def test_bad_formats_and_tokenizers_are_refused_by_name(byte_tokenizer, byte_tar
         Engine(ModelRunner(target_model, tokenizer)).new_request("x", dict(response_format={"type": "json_object"}))
     assert e.value.param == "response_format" and "tokenizer" in str(e.value)
     assert parse_sampling(dict(response_format={"type": "text"})).response_format is None
+
+
+def test_a_sequence_evicted_from_the_kv_budget_loses_its_matcher(byte_tokenizer, byte_target):
+    """A draft replica whose sequence's release never comes (its target died, or released elsewhere):
+    the matcher goes with the sequence's KV, whatever ends it (eviction, drop, a retired donor's eviction)."""
+    runner = ModelRunner(byte_target, byte_tokenizer)
+    params = parse_sampling(dict(temperature=0, response_format={"type": "json_object"}))
+    prompt = byte_tokenizer("give me json:")["input_ids"]
+    rules = LogitRules.of(params, len(prompt), frozenset({byte_tokenizer.eos_token_id}))
+    spec.propose(runner, [spec.ProposeItem("a", prompt, 3, params, 0, rules=rules)])
+    assert "a" in runner.grammars._matchers and "a" in runner.cache
+    runner.cache.max_bytes = runner.cache.nbytes + 1  # room for one such cache: b's evicts a's
+    spec.propose(runner, [spec.ProposeItem("b", prompt[::-1], 3, params, 0, rules=rules)])
+    assert "a" not in runner.cache and "a" not in runner.grammars._matchers
+    assert "b" in runner.grammars._matchers
+    runner.cache.drop("b")
+    assert not runner.grammars._matchers
+
+    dropped = []
+    slab = [(torch.zeros(1, 16, 2), torch.zeros(1, 16, 2))]
+    store = KVStore(3 * SequenceCache([], slab).nbytes, on_drop=dropped.append)  # room for three entries
+    for seq in "abc":
+        store.put(seq, SequenceCache([1, 2], list(slab)))
+    store.retire("b")
+    store.put("d", SequenceCache([1, 2], list(slab)))  # the retired donor goes first
+    store.put("e", SequenceCache([1, 2], list(slab)))  # then the least recently used live one
+    store.drop("d")
+    assert dropped == ["b", "a", "d"]
+
+
+def test_matchers_never_exceed_their_bound(byte_tokenizer):
+    grammars = Grammars(byte_tokenizer, len(byte_tokenizer), max_matchers=3)
+    grammar = grammar_of({"type": "json_object"})
+    for i in range(10):
+        grammars.masks(f"s{i}", grammar, [], [], 1)
+        assert len(grammars._matchers) <= 3
+    grammars.masks("s7", grammar, [], [], 1)  # used again: the least recently used goes next, not s7
+    grammars.masks("s10", grammar, [], [], 1)
+    assert list(grammars._matchers) == ["s9", "s7", "s10"]
+
+
+def test_output_is_unchanged_when_matchers_are_dropped_mid_generation(byte_tokenizer, byte_target, monkeypatch):
+    """A bound of one matcher per model and four sequences: every call finds its matcher dropped and
+    rebuilds it from the output tokens; greedy output is still the constrained reference, seeded
+    sampled output still what an undisturbed engine gives."""
+    built = []
+
+    class Counted(app.grammar._Tracked):
+        def __init__(self, *args):
+            built.append(1)
+            super().__init__(*args)
+
+    monkeypatch.setattr(app.grammar, "_Tracked", Counted)
+    draft = blend(byte_target, 7, 0.8)
+
+    def engine(max_matchers):
+        runners = ModelRunner(byte_target, byte_tokenizer), ModelRunner(draft, byte_tokenizer)
+        for r in runners:
+            r.grammars.max_matchers = max_matchers
+        return Engine(*runners)
+
+    greedy = dict(temperature=0, max_tokens=40, response_format=JSON_SCHEMA, speculation={"num_tokens": 3})
+    grammar = grammar_of(parse_sampling(greedy).response_format)
+    for r in engine(1).generate(PROMPTS, greedy):
+        want = constrained_reference(byte_target, byte_tokenizer, r.prompt_token_ids, grammar, 40)
+        assert r.token_ids == [t for t in want if t != byte_tokenizer.eos_token_id][: len(r.token_ids)]
+    assert len(built) > 4 * len(PROMPTS)  # matchers were dropped and rebuilt mid-generation
+    sampled = [dict(temperature=1.0, seed=s, max_tokens=40, response_format=JSON_SCHEMA) for s in range(4)]
+    assert ([r.token_ids for r in engine(1).generate(PROMPTS, sampled)]
+            == [r.token_ids for r in engine(4096).generate(PROMPTS, sampled)])

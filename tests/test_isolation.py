@@ -1,0 +1,127 @@
+"""One request never fails another: a batch whose forward raises runs again in parts, the item that
+raised fails alone, the others get exactly what they would have got; only a fault of the replica
+itself fails a batch, and under tensor parallelism only such a fault marks the rank group failed."""
+
+import asyncio
+import functools
+
+import pytest
+import torch
+from ray.exceptions import ActorDiedError, RayTaskError
+
+from app.errors import ReplicaFault
+from app.forward_queue import ForwardQueue, in_thread
+from app.params import SamplingParams
+from app.runner import ModelRunner
+from app.spec import Proposal, VerifyItem, propose, verify, ProposeItem
+from conftest import blend
+from deployments.tp import RankFailure, group_result
+
+PROMPTS = [[0, 5, 6, 7], [0, 9, 9], [0, 40, 41, 42, 43], [0, 3]]
+
+
+def poisoned(params: SamplingParams) -> SamplingParams:
+    """Params no front door lets through (top_k outside int64): what the edge's checks exist to stop,
+    standing in for any bad value that reaches a shared forward."""
+    return params.model_copy(update={"top_k": 2**70})
+
+
+def run_batch(queue: ForwardQueue, items: list) -> list:
+    """Submit the items in one loop turn (one batch); each one's result or exception."""
+    async def go():
+        return await asyncio.gather(*(queue.submit(it) for it in items), return_exceptions=True)
+    return asyncio.run(go())
+
+
+def verify_queue(runner: ModelRunner) -> ForwardQueue:
+    return ForwardQueue(in_thread(functools.partial(verify, runner)), runner.release, name="verify",
+                        forget=runner.forget)
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_a_bad_item_fails_alone_and_its_batch_gets_exactly_its_results(target_model, tokenizer, temperature):
+    params = SamplingParams(temperature=temperature, seed=3)
+    draft = Proposal([11, 12], torch.tensor([[11], [12]]), torch.ones(2, 1))
+    good = [VerifyItem(f"s{i}", p, draft, params, seed=i) for i, p in enumerate(PROMPTS)]
+    alone = [verify(ModelRunner(target_model, tokenizer), [it])[0] for it in good]
+
+    runner = ModelRunner(target_model, tokenizer)
+    queue = verify_queue(runner)
+    # a first round caches every sequence, so the failing batch below finds warm caches
+    run_batch(queue, [VerifyItem(it.seq_id, it.token_ids[:-1], Proposal.empty(), params, it.seed) for it in good])
+    bad = VerifyItem("bad", [0, 1, 2], draft, poisoned(SamplingParams(temperature=1.0)), seed=9)
+    results = run_batch(queue, good[:2] + [bad] + good[2:])
+    assert queue.batch_sizes[-1] == 5  # they did share one forward
+    assert isinstance(results[2], Exception) and queue.isolated == 1
+    got = results[:2] + results[3:]
+    assert [(v.tokens, v.accepted) for v in got] == [(v.tokens, v.accepted) for v in alone]
+    # the next round of every good sequence is still the one of an undisturbed run
+    nxt = [VerifyItem(it.seq_id, it.token_ids + v.tokens, Proposal.empty(), params, it.seed)
+           for it, v in zip(good, got)]
+    fresh = [verify(ModelRunner(target_model, tokenizer), [it])[0].tokens for it in nxt]
+    assert [v.tokens for v in run_batch(queue, nxt)] == fresh
+
+
+def test_a_bad_proposal_request_fails_alone_on_the_draft(target_model, tokenizer):
+    runner = ModelRunner(blend(target_model, 7, 0.85), tokenizer)
+    queue = ForwardQueue(in_thread(functools.partial(propose, runner)), runner.release, name="propose",
+                         forget=runner.forget)
+    params = SamplingParams(temperature=1.0, seed=5)
+    items = [ProposeItem(f"s{i}", p, 3, params, seed=i) for i, p in enumerate(PROMPTS)]
+    alone = [propose(ModelRunner(runner.model, tokenizer), [it])[0].tokens for it in items]
+    bad = ProposeItem("bad", [0, 1], 3, poisoned(params), seed=1)
+    results = run_batch(queue, [bad] + items)
+    assert isinstance(results[0], Exception)
+    assert [p.tokens for p in results[1:]] == alone
+
+
+def test_a_fault_of_the_replica_fails_the_batch_as_it_is_and_marks_it():
+    calls = []
+
+    async def forward(items):
+        calls.append(len(items))
+        raise ReplicaFault("device lost")
+    queue = ForwardQueue(forward, lambda s: None, name="f")
+    results = run_batch(queue, [VerifyItem(str(i), [0], Proposal.empty(), SamplingParams(), i) for i in range(4)])
+    assert all(isinstance(r, ReplicaFault) for r in results) and calls == [4] and queue.fault
+
+
+# -- tensor parallelism: what the rank group makes of its ranks' answers --------------------------------
+def task_error(cause: Exception) -> RayTaskError:
+    return RayTaskError("RankWorker.verify", "traceback", cause)
+
+
+def test_the_same_request_error_on_every_rank_is_the_requests_and_keeps_the_group():
+    with pytest.raises(ValueError) as e:
+        group_result([task_error(ValueError("bad top_k")), task_error(ValueError("bad top_k"))])
+    assert not isinstance(e.value, RankFailure)
+    assert group_result([["rank 0"], ["rank 1"]]) == ["rank 0"]
+
+
+@pytest.mark.parametrize("results", [
+    [["ok"], ActorDiedError()],  # a rank died
+    [task_error(ValueError("x")), ["ok"]],  # ranks disagree: collectives may be out of step
+    [task_error(ValueError("x")), task_error(KeyError("y"))],
+    [task_error(RuntimeError("CUDA error: device-side assert triggered"))] * 2,  # a device fault
+])
+def test_anything_else_fails_the_group(results):
+    with pytest.raises(RankFailure):
+        group_result(results)
+
+
+@pytest.mark.parametrize("controller", [(float("nan"), 1.0, 1), (1.0, 1.0, float("nan")), (1.0, float("inf"), 1), (1.0, 1.0), (-1.0, 0, 0)])
+def test_a_job_with_bad_controller_state_fails_at_once_with_a_clear_error(target_model, tokenizer, controller):
+    """Resume state is checked like user input. Before, int(NaN) raised in the producer before its
+    guard, and the stream waited out the request's timeout holding its slot."""
+    from app.engine import Engine
+    from app.errors import InvalidRequestError
+    from app.request import GenerationJob
+
+    engine = Engine(ModelRunner(target_model, tokenizer))
+    job = GenerationJob("r", [0, 5, 6], SamplingParams(max_tokens=4).model_dump(), seed=1, controller=controller)
+
+    async def consume():
+        return [chunk async for chunk in engine.run_job(job)]
+    with pytest.raises(InvalidRequestError) as e:
+        asyncio.run(asyncio.wait_for(consume(), 60))
+    assert e.value.param == "controller"
