@@ -288,6 +288,7 @@ class GenerationJob:
     streamed_chars: int = 0  # characters of text already streamed
     controller: tuple | None = None  # the K controller's state after the last streamed round
     trace: dict | None = None  # W3C trace context of the caller's span
+    group: str | None = None  # jobs of one group prefer one replica: a prompt's n choices share its prefill there
 
     def record(self, chunk: dict) -> None:
         """Take in a streamed chunk: its tokens, its text and the controller state it carries."""

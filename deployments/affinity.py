@@ -8,9 +8,10 @@ speed-up only: any replica computes the same answer from the full token ids.
 """
 
 import hashlib
+import random
 from dataclasses import dataclass, field
 
-from ray.serve.request_router import PendingRequest, RequestRouter, RunningReplica
+from ray.serve.request_router import LocalityMixin, PendingRequest, RequestRouter, RunningReplica
 
 
 @dataclass
@@ -57,3 +58,22 @@ class SessionAffinityRouter(RequestRouter):
             return [candidate_replicas]
         ranked = sorted(candidate_replicas, key=lambda r: _score(seq, r.replica_id.unique_id), reverse=True)
         return [[ranked[0]], ranked[1:]]
+
+
+class ChoiceGroupRouter(LocalityMixin, RequestRouter):
+    """TargetServer's router: Serve's power of two choices (two random replicas, this node's first;
+    the shorter queue wins), except that jobs of one group (a prompt's n choices) all rank the same
+    replica first, by rendezvous hashing on the group, so its engine prefills their prompt once; a
+    full or gone home hands them to the others, as for any request."""
+
+    async def choose_replicas(
+        self, candidate_replicas: list[RunningReplica], pending_request: PendingRequest | None = None
+    ) -> list[list[RunningReplica]]:
+        first = pending_request.args[0] if pending_request and pending_request.args else None
+        group = getattr(first, "group", None)
+        if group is not None and len(candidate_replicas) > 1:
+            ranked = sorted(candidate_replicas, key=lambda r: _score(group, r.replica_id.unique_id), reverse=True)
+            return [[ranked[0]], ranked[1:]]
+        near = self.apply_locality_routing(pending_request)
+        pool = [r for r in candidate_replicas if r.replica_id in near] or candidate_replicas
+        return [random.sample(pool, min(2, len(pool)))]

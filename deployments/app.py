@@ -12,7 +12,7 @@ from ray.serve.config import RequestRouterConfig
 from transformers import AutoConfig, AutoTokenizer
 
 from app.compat import check_vocabularies
-from deployments.affinity import SessionAffinityRouter
+from deployments.affinity import ChoiceGroupRouter, SessionAffinityRouter
 from deployments.config import AppConfig
 from deployments.ingress import Ingress
 from deployments.servers import DraftServer, TargetServer
@@ -65,9 +65,10 @@ def build_app(args: dict) -> Application:
             DraftServer, name="DraftServer", max_ongoing_requests=64, ray_actor_options={"num_cpus": 0.25},
             request_router_config=affinity, health_check_period_s=5, health_check_timeout_s=30,
         ).bind(cfg.draft, draft_path, cfg.draft_batch, cfg.speculation.draft_top_n)
-    # one call per request: Serve's default router places it on the least loaded replica
+    # one call per request, placed by Serve's power of two choices; a prompt's n choices on one replica
     target = serve.deployment(
         TargetServer, name="TargetServer", max_ongoing_requests=128, ray_actor_options={"num_cpus": 0.25},
+        request_router_config=RequestRouterConfig(request_router_class=ChoiceGroupRouter),
         health_check_period_s=5, health_check_timeout_s=30, **tensor_parallel_options(cfg),
     ).bind(cfg.target, target_path, cfg.target_batch, draft, cfg.speculation, max_context)
     ingress = serve.deployment(

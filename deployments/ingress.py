@@ -313,7 +313,10 @@ class Ingress:
         live = [i for i, c in enumerate(starts) if not c.done]
         for i in live if resume else ():
             views[i].resume(starts[i].chars)
-        streams = [self.router.generate(uuid.uuid4().hex, *jobs[i], telemetry.carrier(span), starts[i]) for i in live]
+        # a prompt's n choices go to one target replica, which prefills their prompt once (app/engine.py)
+        groups = [f"{rid}/{i // body.n}" if body.n > 1 else None for i in range(len(jobs))]
+        streams = [self.router.generate(uuid.uuid4().hex, *jobs[i], telemetry.carrier(span), starts[i], groups[i])
+                   for i in live]
         deadline = asyncio.get_running_loop().time() + self.cfg.limits.request_timeout_s
         prompt_tokens = sum(len(ids) for ids in prompts)  # each prompt counted once, whatever n
         # errors before any token get a proper status

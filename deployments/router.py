@@ -71,13 +71,13 @@ class Router:
         self.active = 0
         self.metrics = RouterMetrics()
 
-    async def generate(self, request_id: str, prompt_ids: list[int], params: dict,
-                       trace: dict | None = None, start: ChoiceResume | None = None) -> AsyncIterator[dict]:
+    async def generate(self, request_id: str, prompt_ids: list[int], params: dict, trace: dict | None = None,
+                       start: ChoiceResume | None = None, group: str | None = None) -> AsyncIterator[dict]:
         """Stream {token_ids, text, controller} per round, then {finish_reason, usage, speculation} (or {error}).
 
         `trace`: the caller's W3C trace context; the generation span is its child. `start`: where the
         request stands when it continues a stream an ingress replica began (deployments/failover.py),
-        or just its draw seed.
+        or just its draw seed. `group`: generations that should share a replica (app.request.GenerationJob).
         """
         sp = SamplingParams.model_validate(params)
         span = telemetry.start_span("generate", trace, {"specserve.prompt_tokens": len(prompt_ids),
@@ -85,7 +85,8 @@ class Router:
         start = start or ChoiceResume(seed=sp.seed if sp.seed is not None else secrets.randbits(62))
         # the seed is chosen once, so a resumed request keeps its draws
         job = GenerationJob(request_id, list(prompt_ids), params, start.seed, list(start.ids), start.chars,
-                            tuple(start.ctl) if start.ctl is not None else None, trace=telemetry.carrier(span))
+                            tuple(start.ctl) if start.ctl is not None else None, trace=telemetry.carrier(span),
+                            group=group)
         self.active += 1
         self.metrics.set_active(self.active)
         began, first = time.perf_counter(), None

@@ -210,3 +210,17 @@ def test_a_request_the_target_refuses_mid_stream_is_a_400_event():
     error = json.loads(events[-2][6:])["error"]
     assert error["code"] is None and error["param"] == "top_k" and error["type"] == "invalid_request_error"
     assert events[-1] == "data: [DONE]\n\n"
+
+
+def test_each_api_key_gets_its_own_prefix_cache_scope():
+    from deployments.ingress import APIError, Ingress
+
+    def scope(keys, given):
+        me = SimpleNamespace(api_keys=[k.encode() for k in keys])
+        return Ingress._authorize(me, SimpleNamespace(headers={"authorization": f"Bearer {given}"}))
+    assert scope([], "anything") is None  # no keys: one shared scope
+    assert scope(["k1", "k2"], "k1") != scope(["k1", "k2"], "k2")
+    assert scope(["k1", "k2"], "k1") == scope(["k1"], "k1")  # the scope is the key's, not its place in the list
+    with pytest.raises(APIError) as e:
+        scope(["k1", "k2"], "k3")
+    assert e.value.status == 401

@@ -125,3 +125,30 @@ def test_a_job_with_bad_controller_state_fails_at_once_with_a_clear_error(target
     with pytest.raises(InvalidRequestError) as e:
         asyncio.run(asyncio.wait_for(consume(), 60))
     assert e.value.param == "controller"
+
+
+def test_a_prompts_choices_rank_one_target_replica_first_and_others_keep_power_of_two():
+    """n choices of a prompt meet on one replica, whose engine prefills their prompt once
+    (tests/test_engine.py); requests without a group keep Serve's two random candidates."""
+    from dataclasses import dataclass
+    from types import SimpleNamespace
+
+    from app.request import GenerationJob
+    from deployments.affinity import ChoiceGroupRouter
+
+    @dataclass(frozen=True)
+    class ReplicaID:
+        unique_id: str
+
+    replicas = [SimpleNamespace(replica_id=ReplicaID(f"r{i}")) for i in range(5)]
+    me = SimpleNamespace(apply_locality_routing=lambda pending: {r.replica_id for r in replicas})
+
+    def ranks(group, order):
+        job = GenerationJob("x", [0], {}, seed=1, group=group)
+        return asyncio.run(ChoiceGroupRouter.choose_replicas(me, [replicas[i] for i in order],
+                                                             SimpleNamespace(args=[job])))
+    homes = {ranks("cmpl-1/0", order)[0][0].replica_id.unique_id for order in ([0, 1, 2, 3, 4], [4, 2, 0, 3, 1])}
+    assert len(homes) == 1 and len(ranks("cmpl-1/0", range(5))[1]) == 4  # the others follow, as for a full home
+    assert len({ranks(f"cmpl-{i}/0", range(5))[0][0].replica_id.unique_id for i in range(40)}) > 1  # groups spread
+    plain = ranks(None, range(5))
+    assert len(plain) == 1 and len(plain[0]) == 2
