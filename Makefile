@@ -28,9 +28,10 @@ bench: install
 test: install
 	$(BIN)/python -m pytest -q
 
-# schemathesis against a live app: FUZZ_CASES bodies per endpoint and mode (2 x 2), 0 x 5xx expected
+# against a live app: schemathesis, FUZZ_CASES bodies per endpoint and mode (2 x 2); then hostile bodies
+# (HOSTILE_CASES generated, past the schema's bounds) beside greedy streams. 0 x 5xx expected
 fuzz: install
-	FUZZ_CASES=$${FUZZ_CASES:-500} $(BIN)/python -m pytest -q -s tests/test_fuzz.py
+	FUZZ_CASES=$${FUZZ_CASES:-500} HOSTILE_CASES=$${HOSTILE_CASES:-3000} $(BIN)/python -m pytest -q -s tests/test_fuzz.py tests/test_hostile.py
 
 # on a machine with one NVIDIA GPU (and a CUDA torch: see TORCH_SPEC above); no Ray, no network
 gpu-check: install

@@ -135,7 +135,7 @@ class Case:
     def content(self) -> bytes:
         if isinstance(self.body, bytes):
             return self.body
-        return to_json(self.body).encode("utf-8", "surrogatepass")  # a lone surrogate: bytes that are not UTF-8
+        return to_json(self.body).encode("utf-8", "surrogatepass")  # a lone surrogate goes out as bytes, not UTF-8
 
     def shown(self) -> str:
         text = self.content()[:200].decode("utf-8", "replace")
@@ -148,7 +148,7 @@ def base_body(path: str, model: str, stream: bool = False) -> dict:
     return {"model": model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 8, "stream": stream}
 
 
-def with_field(path: str, model: str, name: str, value, stream: bool = False) -> dict:
+def with_field(path: str, model: str, name: str, value, stream: bool) -> dict:
     body = base_body(path, model, stream)
     if path == CHAT and name == "top_logprobs":
         body["logprobs"] = True
@@ -156,71 +156,76 @@ def with_field(path: str, model: str, name: str, value, stream: bool = False) ->
     return body
 
 
+def named_values(path: str) -> list[tuple[str, str, object]]:
+    """(label, field, value): the issue's hostile values in each field it names."""
+    out = []
+    ints = INT_FIELDS + (["logprobs"] if path == COMPLETIONS else ["top_logprobs", "max_completion_tokens"])
+    out += [(f"{name}={v!r:.20}", name, v) for name in ints
+            for v in HUGE + NON_FINITE + ["١٢", "²", THOUSAND_DIGITS, 1.5]]
+    out += [(f"{name}={v!r:.20}", name, v) for name in FLOAT_FIELDS
+            for v in NON_FINITE + [1e30, -1e30, 10**30, "NaN", "١٢"]]
+    for v in HUGE + NON_FINITE:
+        out += [(f"stop_token_ids=[{v!r:.20}]", "stop_token_ids", [v]),
+                (f"logit_bias value {v!r:.20}", "logit_bias", {"5": v})]
+        out += [(f"prompt ids [{v!r:.20}]", "prompt", [5, v])] if path == COMPLETIONS else []
+    out += [(f"logit_bias key {key!r:.20}", "logit_bias", {key: 1}) for key in BIAS_KEYS]
+    out += [("logit_bias '5' and '05'", "logit_bias", {"5": 100, "05": -100}),
+            ("logit_bias 2000 entries", "logit_bias", {str(i): 1 for i in range(2000)}),
+            ("logit_bias 2000 duplicate keys", "logit_bias", Raw("{" + ",".join(['"5":1'] * 2000) + "}")),
+            ("stop 5 strings", "stop", ["a", "b", "c", "d", "e"]), ("stop 100 kB", "stop", ["s" * 100_000]),
+            ("n=10^6", "n", 10**6), ("stream_options NaN", "stream_options", {"include_usage": NAN}),
+            ("speculation num_tokens 2**64", "speculation", {"num_tokens": 2**64}),
+            ("speculation num_tokens NaN", "speculation", {"num_tokens": NAN})]
+    out += [(f"{name} wrong type {v!r:.12}", name, v) for name in FIELDS[path] for v in WRONG_TYPES]
+    for depth in (1000, 100_000):
+        out += [(f"response_format schema depth {depth}", "response_format",
+                 {"type": "json_schema", "json_schema": {"name": "x", "schema": nested_schema(depth)}}),
+                (f"response_format depth {depth}", "response_format", nested_object(depth)),
+                (f"unknown field depth {depth}", "x_unknown", nested_list(depth)),
+                (f"user (a harmless field) depth {depth}", "user", nested_list(depth)),
+                (f"logit_bias value depth {depth}", "logit_bias", {"5": nested_list(depth)})]
+        out += [(f"prompt depth {depth}", "prompt", nested_list(depth))] if path == COMPLETIONS else [
+            (f"content depth {depth}", "messages", [{"role": "user", "content": nested_list(depth)}]),
+            (f"content parts depth {depth}", "messages",
+             [{"role": "user", "content": [{"type": "text", "text": nested_object(depth)}]}])]
+    return out
+
+
+def sized_cases(path: str, model: str) -> list[Case]:
+    """Bodies at and over the size limit, with and without a Content-Length."""
+    def padded(size: int) -> dict:
+        return with_field(path, model, "user", "u" * size, stream=False)
+    under, over = MAX_BODY - 300, MAX_BODY + 10
+    return [Case("1 MB body", path, padded(under)), Case("1 MB body, chunked", path, padded(under), chunked=True),
+            Case("over-limit body", path, padded(over)),
+            Case("over-limit body, chunked", path, padded(over), chunked=True),
+            # the proxy's failover keeps a body whole before relaying it
+            Case("16 MB body", path, padded(16 * MAX_BODY))]
+
+
+RAW_BODIES = [(b"", "empty body"), (b"\xff\xfe{", "bad UTF-8"), (b'{"model": "\xc3\x28"}', "bad UTF-8 inside"),
+              (b"[]", "top level []"), (b"1", "top level 1"), (b'"s"', "top level string"),
+              (b"null", "top level null"), (b"NaN", "top level NaN"), (b"{", "truncated"),
+              *[(nested(depth).encode(), f"body {nested.__name__} {depth}")
+                for nested in (nested_list, nested_object) for depth in (1000, 100_000)]]
+
+
 def catalogue(model: str) -> list[Case]:
-    """Every hostile value the issue names, in every field it names, on both endpoints."""
+    """Every hostile value the issue names, in every field it names, on both endpoints; every other
+    body streamed."""
     cases = []
     for path in (COMPLETIONS, CHAT):
-        def add(label, name, value, **kw):
-            cases.append(Case(label, path, with_field(path, model, name, value), **kw))
-        ints = INT_FIELDS + (["logprobs"] if path == COMPLETIONS else ["top_logprobs", "max_completion_tokens"])
-        for name in ints:
-            for v in HUGE + NON_FINITE + ["١٢", "²", THOUSAND_DIGITS, 1.5]:
-                add(f"{name}={v!r:.20}", name, v)
-        for name in FLOAT_FIELDS:
-            for v in NON_FINITE + [1e30, -1e30, 10**30, "NaN", "١٢"]:
-                add(f"{name}={v!r:.20}", name, v)
-        for v in HUGE + NON_FINITE:
-            add(f"stop_token_ids=[{v!r:.20}]", "stop_token_ids", [v])
-            add(f"logit_bias value {v!r:.20}", "logit_bias", {"5": v})
-            if path == COMPLETIONS:
-                add(f"prompt ids [{v!r:.20}]", "prompt", [5, v])
-        for key in BIAS_KEYS:
-            add(f"logit_bias key {key!r:.20}", "logit_bias", {key: 1})
-        add("logit_bias '1' and '01'", "logit_bias", {"5": 100, "05": -100})
-        add("logit_bias 2000 entries", "logit_bias", {str(i): 1 for i in range(2000)})
-        add("logit_bias 2000 duplicate keys", "logit_bias", Raw("{" + ",".join(['"5":1'] * 2000) + "}"))
-        for name, depth in (("depth", 1000), ("depth", 100_000)):
-            add(f"response_format schema {name} {depth}", "response_format",
-                {"type": "json_schema", "json_schema": {"name": "x", "schema": nested_schema(depth)}})
-            add(f"response_format {name} {depth}", "response_format", nested_object(depth))
-            add(f"unknown field {name} {depth}", "x_unknown", nested_list(depth))
-            add(f"user (a harmless field) {name} {depth}", "user", nested_list(depth))
-            add(f"logit_bias value {name} {depth}", "logit_bias", {"5": nested_list(depth)})
-            if path == COMPLETIONS:
-                add(f"prompt {name} {depth}", "prompt", nested_list(depth))
-            else:
-                add(f"content {name} {depth}", "messages", [{"role": "user", "content": nested_list(depth)}])
-                add(f"content parts {name} {depth}", "messages",
-                    [{"role": "user", "content": [{"type": "text", "text": nested_object(depth)}]}])
-        add("stop 5 strings", "stop", ["a", "b", "c", "d", "e"])
-        add("stop 100 kB", "stop", ["s" * 100_000])
-        add("n=10^6", "n", 10**6)
-        add("stream_options NaN", "stream_options", {"include_usage": NAN})
-        add("speculation num_tokens 2**64", "speculation", {"num_tokens": 2**64})
-        add("speculation num_tokens NaN", "speculation", {"num_tokens": NAN})
-        for name in FIELDS[path]:
-            for v in WRONG_TYPES:
-                add(f"{name} wrong type {v!r:.12}", name, v)
-        pad = MAX_BODY - 300
-        add("1 MB body", "user", "u" * pad)
-        add("over-limit body", "user", "u" * (MAX_BODY + 10))
-        add("over-limit body, chunked", "user", "u" * (MAX_BODY + 10), chunked=True)
-        add("1 MB body, chunked", "user", "u" * pad, chunked=True)
-        for raw, label in ((b"", "empty body"), (b"\xff\xfe{", "bad UTF-8"), (b'{"model": "\xc3\x28"}', "bad UTF-8 in a string"),
-                           (b"[]", "top level []"), (b"1", "top level 1"), (b'"s"', "top level string"),
-                           (b"null", "top level null"), (b"NaN", "top level NaN"), (b"{", "truncated"),
-                           (nested_list(1000).encode(), "body nested 1000"), (nested_list(100_000).encode(), "body nested 100000"),
-                           (nested_object(1000).encode(), "body object nested 1000"),
-                           (nested_object(100_000).encode(), "body object nested 100000")):
-            cases.append(Case(label, path, raw))
+        cases += [Case(label, path, with_field(path, model, name, value, stream=k % 2 == 1))
+                  for k, (label, name, value) in enumerate(named_values(path))]
+        cases += sized_cases(path, model) + [Case(label, path, raw) for raw, label in RAW_BODIES]
     long_ids = base_body(COMPLETIONS, model) | {"prompt": [5] * 10**5}
     cases += [Case("prompt 10^5 ids", COMPLETIONS, long_ids),
               Case("prompt 10^5 ids outside vocab", COMPLETIONS, long_ids | {"prompt": list(range(10**5))}),
               Case("prompt 10^5 strings", COMPLETIONS, long_ids | {"prompt": ["a"] * 10**5})]
-    for header in RESUME_HEADERS:
-        for direct in (False, True):
-            cases.append(Case(f"resume {header[:60]!r}", COMPLETIONS, base_body(COMPLETIONS, model, stream=True),
-                              {"x-specserve-resume": header}, direct=direct))
+    # through the proxy (whose failover drops a client's resume header) and straight to the ingress
+    cases += [Case(f"resume {header[:60]!r}", path, base_body(path, model, stream=True),
+                   {"x-specserve-resume": header}, direct=direct)
+              for header in RESUME_HEADERS for path in (COMPLETIONS, CHAT) for direct in (False, True)]
     return cases
 
 
@@ -260,11 +265,10 @@ def field_values(name: str):
         "stop_token_ids": st.lists(numbers(), max_size=6),
         "prompt": st.one_of(st.lists(numbers(), min_size=1, max_size=4), st.lists(st.integers(0, 97), max_size=8),
                             st.lists(st.lists(numbers(), max_size=3), max_size=3), st.just([5] * 10**5), texts()),
-        "messages": st.lists(st.fixed_dictionaries({"role": st.sampled_from(["user", "system", "assistant", "tool", "x"]),
-                                                    "content": st.one_of(texts(), st.lists(
-                                                        st.fixed_dictionaries({"type": st.just("text"),
-                                                                               "text": st.one_of(texts(), anything())}),
-                                                        max_size=3))}), max_size=3),
+        "messages": st.lists(st.fixed_dictionaries({
+            "role": st.sampled_from(["user", "system", "assistant", "tool", "x"]),
+            "content": st.one_of(texts(), st.lists(st.fixed_dictionaries(
+                {"type": st.just("text"), "text": st.one_of(texts(), anything())}), max_size=3))}), max_size=3),
         "response_format": st.one_of(
             st.sampled_from([{"type": "json_object"}, {"type": "text"}, {"type": NAN},
                              {"type": "json_schema", "json_schema": {"name": "x", "schema": nested_schema(1000)}},
@@ -523,17 +527,32 @@ def test_hostile_bodies_beside_greedy_streams(app):
         reference = [greedy_stream(client, urls["proxy"], model, p) for p in REFERENCE_PROMPTS]
     assert all(not r.startswith("<") for r in reference), reference
     before = serve_actors()
+    tally, beside = hostile_phase(urls, model, cases, reference)
+    after = serve_actors()
 
+    print(f"\n[hostile] {tally.sent} of {len(cases)} cases sent ({named} catalogued + {len(cases) - named} "
+          f"generated), statuses {dict(sorted(tally.statuses.items(), key=str))}, "
+          f"400s by param {dict(tally.params.most_common(12))}, "
+          f"streams beside {beside.count} ({beside.identical} identical), "
+          f"replicas before {per_deployment(before)} after {per_deployment(after)}")
+    report(tally, beside, before, after)
+    assert not tally.faults, f"{len(tally.faults)} bad answers, the first: {tally.faults[:3]}"
+    assert beside.count >= STREAM_THREADS and not beside.differing, beside.differing[:3]
+    assert after == before, f"Serve actors replaced or restarted: before {before}, after {after}"
+
+
+def hostile_phase(urls: dict, model: str, cases: list[Case], reference: list[str]) -> tuple[Tally, Beside]:
+    """Two threads send the cases while four repeat the greedy streams, until every case is sent."""
     tally, beside, stop = Tally(), Beside(), threading.Event()
     deadline = time.monotonic() + PHASE_LIMIT_S
     order, lock = iter(range(len(cases))), threading.Lock()
 
-    def next_case():
+    def next_case() -> int | None:
         with lock:
             return next(order, None)
 
-    streams = [threading.Thread(target=stream_beside, args=(urls["proxy"], model, reference, k, stop, deadline, beside))
-               for k in range(STREAM_THREADS)]
+    streams = [threading.Thread(target=stream_beside, args=(urls["proxy"], model, reference, k, stop, deadline,
+                                                            beside)) for k in range(STREAM_THREADS)]
     senders = [threading.Thread(target=send_hostile, args=(urls, cases, next_case, deadline, tally))
                for _ in range(SENDER_THREADS)]
     for t in streams + senders:
@@ -543,16 +562,7 @@ def test_hostile_bodies_beside_greedy_streams(app):
     stop.set()
     for t in streams:
         t.join()
-    after = serve_actors()
-
-    print(f"\n[hostile] {tally.sent} of {len(cases)} cases sent ({named} catalogued + {len(cases) - named} generated), "
-          f"statuses {dict(sorted(tally.statuses.items(), key=str))}, 400s by param {dict(tally.params.most_common(12))}, "
-          f"streams beside {beside.count} ({beside.identical} identical), "
-          f"replicas before {per_deployment(before)} after {per_deployment(after)}")
-    report(tally, beside, before, after)
-    assert not tally.faults, f"{len(tally.faults)} bad answers, the first: {tally.faults[:3]}"
-    assert beside.count >= STREAM_THREADS and not beside.differing, beside.differing[:3]
-    assert after == before, f"Serve actors replaced or restarted: before {before}, after {after}"
+    return tally, beside
 
 
 def report(tally: Tally, beside: Beside, before: dict, after: dict) -> None:
@@ -562,8 +572,9 @@ def report(tally: Tally, beside: Beside, before: dict, after: dict) -> None:
         kinds[(problem, status, re.sub(r"[0-9a-f]{32}", "<id>", text[:160]))].append(shown)
     for (problem, status, text), shown in sorted(kinds.items(), key=lambda kv: -len(kv[1])):
         print(f"[hostile] FAULT x{len(shown)}: {problem} | {status} {text!r} | first: {shown[0]}")
-    for i, want, got in beside.differing[:10]:
-        print(f"[hostile] STREAM {i} differs: want {want[:80]} got {got[:160]}")
+    differing = collections.Counter(beside.differing)
+    for (i, want, got), count in differing.most_common(10):
+        print(f"[hostile] STREAM x{count}: prompt {i} wants {want[:80]}, got {got[:160]}")
     for name in sorted(set(before) | set(after)):
         if before.get(name) != after.get(name):
             print(f"[hostile] ACTOR {name}: before {before.get(name)} after {after.get(name)}")

@@ -152,3 +152,23 @@ def test_a_prompts_choices_rank_one_target_replica_first_and_others_keep_power_o
     assert len({ranks(f"cmpl-{i}/0", range(5))[0][0].replica_id.unique_id for i in range(40)}) > 1  # groups spread
     plain = ranks(None, range(5))
     assert len(plain) == 1 and len(plain[0]) == 2
+
+
+def test_a_jobs_grammar_is_checked_off_the_event_loop(target_model, tokenizer):
+    """Compiling a large schema must not stall the rounds of every other request on the replica."""
+    import threading
+
+    from app.engine import Engine
+    from app.request import GenerationJob
+
+    engine = Engine(ModelRunner(target_model, tokenizer))
+    threads = []
+    engine.check = lambda params: threads.append(threading.current_thread())
+    job = GenerationJob("r", [0, 5, 6], SamplingParams(max_tokens=2).model_dump(), seed=1)
+
+    async def consume():
+        loop_thread = threading.current_thread()
+        chunks = [chunk async for chunk in engine.run_job(job)]
+        return loop_thread, chunks
+    loop_thread, chunks = asyncio.run(consume())
+    assert chunks[-1]["finish_reason"] and threads and threads[0] is not loop_thread
