@@ -11,7 +11,8 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 from app.errors import InvalidRequestError
 from app.params import (MAX_LOGIT_BIAS, MAX_SEED, MAX_STOP_CHARS, MAX_STOP_TOKEN_IDS, MAX_STOPS, MAX_TOKEN_ID,
-                        MIN_SEED, SamplingParams, SpeculationParams, TokenId)
+                        MIN_REPETITION_PENALTY, MIN_SEED, MIN_TEMPERATURE, SamplingParams, SpeculationParams,
+                        TokenId)
 
 MAX_CHOICES = 64  # generations one request may ask for: prompts x n
 MAX_JSON_DEPTH = 64  # nesting of a request body (a JSON schema of 30 nested objects fits)
@@ -93,7 +94,8 @@ class _Common(BaseModel):
 
     model: str = Field(description="Served model name, as listed by /v1/models.")
     max_tokens: int | None = Field(None, ge=1, le=MAX_TOKEN_ID, description="Most tokens to generate.")
-    temperature: float = Field(1.0, ge=0.0, le=2.0, description="0 = greedy.")
+    temperature: float = Field(1.0, ge=0.0, le=2.0, description=f"0 = greedy; below {MIN_TEMPERATURE} (but not 0) "
+                                                                f"sampled at {MIN_TEMPERATURE}.")
     top_p: float = Field(1.0, gt=0.0, le=1.0, description="Nucleus sampling mass.")
     top_k: int = Field(0, ge=-1, le=MAX_TOKEN_ID, description="Extension: keep the k most likely tokens (at most "
                                                               "the vocabulary); 0 or -1 = all.")
@@ -108,7 +110,7 @@ class _Common(BaseModel):
                                       description="Extension: token ids that end generation.")
     presence_penalty: float = Field(0.0, ge=-2.0, le=2.0, description="Penalise tokens already in the output.")
     frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0, description="Penalise tokens by their output count.")
-    repetition_penalty: float = Field(1.0, gt=0.0, le=10.0, description="Extension: penalise prompt and output "
+    repetition_penalty: float = Field(1.0, ge=MIN_REPETITION_PENALTY, le=10.0, description="Extension: penalise prompt and output "
                                                                          "tokens multiplicatively (1 = off).")
     min_p: float = Field(0.0, ge=0.0, le=1.0, description="Extension: drop tokens below min_p x the top one.")
     min_tokens: int = Field(0, ge=0, le=MAX_TOKEN_ID, description="Extension: no stop before this many tokens.")

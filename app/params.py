@@ -16,6 +16,11 @@ MAX_STOPS = 4  # stop strings per request (OpenAI's limit)
 MAX_STOP_CHARS = 1024  # characters of one stop string
 MAX_STOP_TOKEN_IDS = 64
 MAX_LOGIT_BIAS = 1024  # entries of logit_bias
+# Logits are divided by the temperature and by the repetition penalty: below these a finite logit
+# overflows to inf and softmax gives NaN. A smaller temperature is raised to it (vLLM does the same:
+# clients send 1e-6 to mean "nearly greedy"); a smaller penalty is refused.
+MIN_TEMPERATURE = 0.01
+MIN_REPETITION_PENALTY = 0.01
 TokenId = Annotated[int, Field(ge=0, le=MAX_TOKEN_ID)]
 
 
@@ -68,7 +73,7 @@ class SamplingParams(BaseModel):
                                     description="Subtracted from the logit of every token already in the output.")
     frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0,
                                      description="Subtracted per occurrence of a token in the output so far.")
-    repetition_penalty: float = Field(1.0, gt=0.0, le=10.0,
+    repetition_penalty: float = Field(1.0, ge=MIN_REPETITION_PENALTY, le=10.0,
                                       description="Divides positive and multiplies negative logits of tokens in "
                                                   "the prompt or output (1 = off).")
     logit_bias: dict[int, float] = Field(default_factory=dict, max_length=MAX_LOGIT_BIAS,
@@ -107,6 +112,11 @@ class SamplingParams(BaseModel):
                 raise ValueError("json_schema.schema must be a JSON schema (an object)")
             return {"type": "json_schema", "json_schema": {"name": spec.get("name", "schema"), "schema": schema}}
         raise ValueError("response_format.type must be text, json_object or json_schema")
+
+    @field_validator("temperature")
+    @classmethod
+    def _temperature(cls, v: float) -> float:
+        return MIN_TEMPERATURE if 0.0 < v < MIN_TEMPERATURE else v
 
     @field_validator("stop", mode="before")
     @classmethod

@@ -86,8 +86,9 @@ def _truncate(scaled: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) ->
     sorted_probs = torch.softmax(sorted_logits, dim=-1)
     # keep a token while the mass before it is < top_p: the smallest set reaching top_p
     mass_before = sorted_probs.cumsum(-1) - sorted_probs
-    # rows with top_p = 1 keep everything: float32 mass can reach 1.0 before the tail ends
-    cut = (mass_before >= top_p.unsqueeze(-1)) & (top_p < 1.0).unsqueeze(-1)
+    # rows with top_p = 1 keep everything: float32 mass can reach 1.0 before the tail ends; the most
+    # likely token always stays (a top_p below float32's smallest number reads as 0, which cut it too)
+    cut = (mass_before >= top_p.unsqueeze(-1)) & (top_p < 1.0).unsqueeze(-1) & (rank > 0)
     sorted_logits = sorted_logits.masked_fill(cut, float("-inf"))
     return torch.full_like(scaled, float("-inf")).scatter_(-1, order, sorted_logits)
 

@@ -95,7 +95,8 @@ LOGPROB_FLOOR = -9999.0  # what an impossible token's log-probability reads as (
 
 def token_logprobs(logprobs: torch.Tensor, tokens: list[int], top: int) -> list[tuple]:
     """(logprob of tokens[j], its `top` most likely alternatives) for each row j of logprobs [N, V]."""
-    logprobs = logprobs.clamp(min=LOGPROB_FLOOR)
+    # JSON has no NaN or -inf: an impossible token reads as the floor, and so would a broken row
+    logprobs = torch.nan_to_num(logprobs, nan=LOGPROB_FLOOR, neginf=LOGPROB_FLOOR).clamp(min=LOGPROB_FLOOR)
     chosen = logprobs.gather(-1, torch.tensor(tokens, device=logprobs.device).unsqueeze(-1)).squeeze(-1).tolist()
     if top:
         values, ids = logprobs.topk(min(top, logprobs.shape[-1]), dim=-1)

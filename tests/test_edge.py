@@ -224,3 +224,24 @@ def test_each_api_key_gets_its_own_prefix_cache_scope():
     with pytest.raises(APIError) as e:
         scope(["k1", "k2"], "k3")
     assert e.value.status == 401
+
+
+def test_tiny_temperatures_and_penalties_cannot_overflow_the_logits():
+    """A fuzzer's 5e-324 reached the logits: divided by it they overflowed, softmax gave NaN and the
+    response's logprobs could not be written as JSON (a 500)."""
+    from app.params import MIN_TEMPERATURE
+
+    assert SamplingParams(temperature=5e-324).temperature == MIN_TEMPERATURE  # as vLLM: nearly greedy
+    assert SamplingParams(temperature=0.0).greedy and SamplingParams(temperature=0.5).temperature == 0.5
+    assert refused_param(repetition_penalty=5e-324) == "repetition_penalty"
+
+
+def test_logprobs_are_always_json_numbers():
+    import torch
+
+    from app.spec import LOGPROB_FLOOR, token_logprobs
+
+    rows = torch.tensor([[float("nan"), 0.0], [float("-inf"), 0.0]])
+    (chosen0, top0), (chosen1, _) = token_logprobs(rows, [0, 0], top=2)
+    assert chosen0 == chosen1 == LOGPROB_FLOOR and all(lp == lp for _, lp in top0)  # no NaN anywhere
+    json.dumps([chosen0, top0], allow_nan=False)

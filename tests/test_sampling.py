@@ -547,3 +547,10 @@ def test_a_shifted_proposal_keeps_the_joint_target_law():
     unverified = law_of(p1)[:, None] * (law_of(q1)[:, None] * law_of(q_next) + (1 - law_of(q1))[:, None] * law_of(p_next))
     assert_detectable(joint.ravel(), unverified.ravel(), n)
     assert_law((first * v + second).numpy(), joint.ravel(), tv_bound=0.04)
+
+
+def test_a_top_p_below_float32s_smallest_number_keeps_the_most_likely_token():
+    """5e-324 reads as 0 in float32: every token was cut, and the row sampled from NaN."""
+    logits = torch.tensor([[1.0, 3.0, 2.0]])
+    probs = process_logits(logits, torch.tensor([1.0]), torch.tensor([0]), torch.tensor([5e-324]))
+    assert probs.tolist() == [[0.0, 1.0, 0.0]]
