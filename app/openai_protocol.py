@@ -24,14 +24,15 @@ def load_json(raw: bytes) -> object:
     (Python's json reads them, JSON has no such numbers) or nests deeper than MAX_JSON_DEPTH."""
     def refuse(constant: str):
         raise InvalidRequestError(f"body is not valid JSON: {constant} is not a JSON number")
+    too_deep = InvalidRequestError(f"body nests deeper than {MAX_JSON_DEPTH} levels")
     try:
         data = json.loads(raw.decode("utf-8"), parse_constant=refuse)
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
         raise InvalidRequestError(f"body is not valid UTF-8 JSON: {e}") from None
     except RecursionError:
-        data = None
-    if data is None or json_depth(data) > MAX_JSON_DEPTH:
-        raise InvalidRequestError(f"body nests deeper than {MAX_JSON_DEPTH} levels")
+        raise too_deep from None
+    if json_depth(data) > MAX_JSON_DEPTH:
+        raise too_deep
     return data
 
 
@@ -44,7 +45,8 @@ def json_depth(value: object) -> int:
             deepest = max(deepest, depth + 1)
             if deepest > MAX_JSON_DEPTH:
                 return deepest
-            stack.extend((v, depth + 1) for v in (value.values() if isinstance(value, dict) else value))
+            values = value.values() if isinstance(value, dict) else value
+            stack.extend((v, depth + 1) for v in values if isinstance(v, (dict, list)))  # scalars add no depth
     return deepest
 
 # Fields that change nothing a client gets back: accepted and dropped.
@@ -110,8 +112,9 @@ class _Common(BaseModel):
                                       description="Extension: token ids that end generation.")
     presence_penalty: float = Field(0.0, ge=-2.0, le=2.0, description="Penalise tokens already in the output.")
     frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0, description="Penalise tokens by their output count.")
-    repetition_penalty: float = Field(1.0, ge=MIN_REPETITION_PENALTY, le=10.0, description="Extension: penalise prompt and output "
-                                                                         "tokens multiplicatively (1 = off).")
+    repetition_penalty: float = Field(1.0, ge=MIN_REPETITION_PENALTY, le=10.0,
+                                      description="Extension: penalise prompt and output tokens "
+                                                  "multiplicatively (1 = off).")
     min_p: float = Field(0.0, ge=0.0, le=1.0, description="Extension: drop tokens below min_p x the top one.")
     min_tokens: int = Field(0, ge=0, le=MAX_TOKEN_ID, description="Extension: no stop before this many tokens.")
     logit_bias: dict[str, float] = Field(default_factory=dict, max_length=MAX_LOGIT_BIAS,

@@ -111,9 +111,9 @@ class ModelRunner:
 
     def forget(self, seq_id: str) -> None:
         """Drop a sequence's KV and grammar state outright (a failed forward may have left them half
-        written): its next call recomputes both from the token ids it carries."""
+        written): its next call recomputes both from the token ids it carries. The store's on_drop
+        frees the grammar matcher."""
         self.cache.drop(seq_id)
-        self.grammars.release(seq_id)
 
 
 class RaggedBatch:

@@ -231,6 +231,12 @@ class Ingress:
         raw = await request.body()
         if len(raw) > self.cfg.limits.max_body_bytes:
             raise APIError(413, f"request body over {self.cfg.limits.max_body_bytes} bytes", "invalid_request_error")
+        # parsing and validating up to max_body_bytes of JSON: on the worker thread, as tokenizing is
+        return await asyncio.get_running_loop().run_in_executor(self.prepare, self._validate, raw, model_cls)
+
+    @staticmethod
+    def _validate(raw: bytes, model_cls):
+        """A body as `model_cls`, or an APIError (400) naming what is wrong."""
         try:
             data = load_json(raw)
             if not isinstance(data, dict):

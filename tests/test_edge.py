@@ -245,3 +245,7 @@ def test_logprobs_are_always_json_numbers():
     (chosen0, top0), (chosen1, _) = token_logprobs(rows, [0, 0], top=2)
     assert chosen0 == chosen1 == LOGPROB_FLOOR and all(lp == lp for _, lp in top0)  # no NaN anywhere
     json.dumps([chosen0, top0], allow_nan=False)
+
+
+def test_a_null_body_is_read_as_json_and_left_to_the_object_check():
+    assert load_json(b"null") is None and load_json(b"[1, [2]]") == [1, [2]]
