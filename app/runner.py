@@ -5,9 +5,10 @@ import sys
 from dataclasses import dataclass
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig, PreTrainedModel
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig, PreTrainedModel
 from transformers.cache_utils import Cache, DynamicLayer
 
+from app import dtypes
 from app.cpu_linear import pack_linears
 from app.grammar import Grammars
 from app.kv import KVStore, SequenceCache, common_prefix, grown_capacity
@@ -15,19 +16,27 @@ from app.ragged import LAYOUT, Layout, Span, supports_ragged
 from app.ragged import NAME as RAGGED
 from app.request import tokenizer_eos_ids
 
-DTYPES = {"auto": "auto", "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+def weights_dtype(name_or_path: str, dtype: str, device: str = "cpu", trust_remote_code: bool = False) -> torch.dtype:
+    """The dtype to load a checkpoint in for a configured `dtype` on `device` (`app.dtypes.resolve`:
+    "auto" is the checkpoint's own where the device computes it natively, else float32)."""
+    checkpoint = None
+    if dtype == "auto":
+        config = AutoConfig.from_pretrained(name_or_path, trust_remote_code=trust_remote_code,
+                                            local_files_only=os.environ.get("HF_HUB_OFFLINE") == "1")
+        checkpoint = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
+        checkpoint = getattr(torch, checkpoint) if isinstance(checkpoint, str) else checkpoint
+    return dtypes.resolve(dtype, device, checkpoint)
 
 
 def load_model(
     name_or_path: str, *, dtype: str = "float32", device: str = "cpu", trust_remote_code: bool = False
 ) -> tuple[PreTrainedModel, object]:
     """Load (model, tokenizer) from a hub id or a local directory; offline when HF_HUB_OFFLINE=1."""
-    if dtype not in DTYPES:
-        raise ValueError(f"unknown dtype {dtype!r}; choose one of {sorted(DTYPES)}")
     offline = os.environ.get("HF_HUB_OFFLINE") == "1"
     kwargs = dict(trust_remote_code=trust_remote_code, local_files_only=offline)
+    torch_dtype = weights_dtype(name_or_path, dtype, device, trust_remote_code)
     tokenizer = AutoTokenizer.from_pretrained(name_or_path, **kwargs)
-    model = AutoModelForCausalLM.from_pretrained(name_or_path, dtype=DTYPES[dtype], **kwargs)
+    model = AutoModelForCausalLM.from_pretrained(name_or_path, dtype=torch_dtype, **kwargs)
     return model.to(device).eval().requires_grad_(False), tokenizer
 
 

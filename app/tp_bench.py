@@ -18,7 +18,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from app.params import SamplingParams
-from app.runner import DTYPES, ModelRunner
+from app.runner import ModelRunner, weights_dtype
 from app.spec import Proposal, VerifyItem, verify
 
 
@@ -45,7 +45,7 @@ def _worker(rank: int, world: int, port: int, args, out):
     torch.set_num_threads(max(1, args.threads // world))
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    kwargs = {"dtype": DTYPES[args.dtype]}
+    kwargs = {"dtype": weights_dtype(args.target, args.dtype)}
     if world > 1:
         from transformers.distributed import DistributedConfig
 
@@ -80,7 +80,7 @@ def main(argv=None) -> int:
     p.add_argument("--k", type=int, default=4)
     p.add_argument("--batch", type=lambda s: [int(x) for x in s.split(",")], default=[1, 8])
     p.add_argument("--rounds", type=int, default=20)
-    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--dtype", default="auto", help="auto: bf16 where this CPU does it natively, else float32")
     p.add_argument("--threads", type=int, default=2, help="torch threads in all (split over the ranks)")
     args = p.parse_args(argv)
     report = {}

@@ -21,7 +21,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from app.errors import ReplicaFault, is_fault
 from app.memory import size_kv_budget
-from app.runner import DTYPES, ModelRunner
+from app.runner import ModelRunner, weights_dtype
 from app.spec import Verdict, VerifyItem, verify
 from deployments.config import ModelConfig, TargetConfig
 
@@ -96,7 +96,8 @@ class RankWorker:
         from transformers.distributed import DistributedConfig
 
         model = AutoModelForCausalLM.from_pretrained(
-            path, dtype=DTYPES[cfg.dtype], distributed_config=DistributedConfig(tp_size=world),
+            path, dtype=weights_dtype(path, cfg.dtype, "cuda" if cuda else "cpu", cfg.trust_remote_code),
+            distributed_config=DistributedConfig(tp_size=world),
             trust_remote_code=cfg.trust_remote_code)
         tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=cfg.trust_remote_code)
         self.runner = ModelRunner(model.eval(), tokenizer)

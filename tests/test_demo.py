@@ -4,11 +4,15 @@ held-out prompts. Uses the quick pair (seconds); the full pair is only built by 
 from __future__ import annotations
 
 import argparse
+import json
+from collections import Counter
 from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import load_file
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from app.demo import build, corpus, train
@@ -150,3 +154,59 @@ def test_the_drafts_muon_takes_the_hidden_matrices_adamw_the_rest():
         hidden = p.ndim == 2 and "embed" not in name and "lm_head" not in name
         assert (id(p) in muon) == hidden, name
     assert any("mlp" in n for n, p in named.items() if id(p) in muon)
+
+
+class Bf16Matmuls(TorchDispatchMode):
+    """Counts the matmuls and attention calls that run with a bf16 operand."""
+
+    KERNELS = {"mm", "addmm", "bmm", "baddbmm", "_scaled_dot_product_flash_attention_for_cpu",
+               "_scaled_dot_product_attention_math", "_scaled_dot_product_efficient_attention"}
+
+    def __init__(self):
+        super().__init__()
+        self.seen: Counter = Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func.overloadpacket.__name__
+        if name in self.KERNELS and any(isinstance(a, torch.Tensor) and a.dtype == torch.bfloat16
+                                        for a in tree_flatten((args, kwargs))[0]):
+            self.seen[name] += 1
+        return func(*args, **(kwargs or {}))
+
+
+def test_a_cpu_without_native_bf16_builds_the_pair_without_one_bf16_matmul(monkeypatch, tmp_path, capsys):
+    monkeypatch.setenv("SPECSERVE_NATIVE_BF16", "0")  # what the probe says on a CPU without native bf16
+    with Bf16Matmuls() as detector:
+        build.build_pair(tmp_path, quick=True, seed=0, progress=True)
+    assert detector.seen == Counter()
+    info = json.loads((tmp_path / build.MARKER).read_text())
+    assert info["compute_dtype"] == "float32" and set(info["phase_seconds"]) >= {"target", "draft"}
+    assert "no native bf16" in capsys.readouterr().err  # the bar says why the build is slower
+    # the detector does see bf16 work where there is some: the native path's autocast
+    model = train.new_model(train.PLANS["quick"].draft, train.PLANS["quick"])
+    with Bf16Matmuls() as detector, train.autocast(True):
+        model(torch.tensor([[0, 5, 6]]))
+    assert detector.seen["mm"] + detector.seen["addmm"] > 0
+
+
+def test_muon_orthogonalises_in_the_dtype_it_is_given():
+    from app.demo.muon import Muon, orthogonalise
+
+    g = torch.randn(96, 32, generator=torch.Generator().manual_seed(0))
+    s = torch.linalg.svdvals(orthogonalise(g, torch.float32))
+    assert s.min() > 0.5 and s.max() < 1.5  # the quintic iteration's band around 1
+    param = torch.nn.Parameter(g.clone())
+    param.grad = torch.randn_like(g)
+    with Bf16Matmuls() as detector:
+        Muon([param], lr=0.02, dtype=torch.float32).step()
+    assert detector.seen == Counter() and not torch.equal(param.detach(), g)
+    # and it is torch's update: same step as torch.optim.Muon (which orthogonalises in bf16)
+    a, b = (torch.nn.Parameter(g.clone()) for _ in range(2))
+    theirs = torch.optim.Muon([a], lr=0.02, weight_decay=0.0, adjust_lr_fn="original")
+    ours = Muon([b], lr=0.02, dtype=torch.bfloat16)
+    for _ in range(3):
+        grad = torch.randn_like(g)
+        a.grad, b.grad = grad.clone(), grad.clone()
+        theirs.step()
+        ours.step()
+    assert torch.allclose(a, b, atol=2e-3)

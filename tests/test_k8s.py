@@ -6,7 +6,6 @@ strict, and the app's typed args), and the consistency between them (pools, GPUs
 Broken copies of a manifest must fail the same checks.
 """
 
-import copy
 import functools
 import importlib
 import json
@@ -22,7 +21,9 @@ import pytest
 import torch
 import yaml
 
+from cluster import crd_schema as crds
 from cluster import k8s as gen
+from cluster.crd_schema import apiserver, strict
 
 ROOT = Path(__file__).resolve().parents[1]
 K8S = ROOT / "k8s"
@@ -45,14 +46,6 @@ def check(ok: bool, message: str) -> None:
         raise ManifestError(message)
 
 
-def crd_dir() -> Path:
-    """KubeRay's CRDs: ../shared/kuberay-crds beside the checkout, else $KUBERAY_CRDS_DIR."""
-    here = Path(__file__).resolve().parents[2] / "shared" / "kuberay-crds"
-    if here.is_dir() or "KUBERAY_CRDS_DIR" not in os.environ:
-        return here
-    return Path(os.environ["KUBERAY_CRDS_DIR"])
-
-
 def load(path: Path) -> dict:
     """The one RayService document of a manifest file."""
     docs = [d for d in yaml.load_all(path.read_text(), Loader=Loader) if d]
@@ -62,70 +55,38 @@ def load(path: Path) -> dict:
 
 # --- the API server: pruning, defaulting, strict schema -------------------------------------------
 
-def strict(s):
-    """The CRD schema with unknown fields refused (kubectl --validate=strict) and int ranges added."""
-    if isinstance(s, list):
-        return [strict(x) for x in s]
-    if not isinstance(s, dict):
-        return s
-    out = dict(s)
-    if "properties" in s:
-        out["properties"] = {k: strict(v) for k, v in s["properties"].items()}
-        if not s.get("x-kubernetes-preserve-unknown-fields") and "additionalProperties" not in s:
-            out["additionalProperties"] = False
-    for key in ("items", "additionalProperties", "not"):
-        if isinstance(s.get(key), dict):
-            out[key] = strict(s[key])
-    for key in ("allOf", "anyOf", "oneOf"):
-        if key in s:
-            out[key] = strict(s[key])
-    bits = {"int32": 31, "int64": 63}.get(s.get("format"))
-    if bits and s.get("type") == "integer":
-        out.setdefault("minimum", -(2 ** bits))
-        out.setdefault("maximum", 2 ** bits - 1)
-    if s.get("nullable") and "type" in s:
-        out["type"] = [s["type"], "null"]
-    return out
-
-
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def rayservice_schema() -> dict:
-    path = crd_dir() / "ray.io_rayservices.yaml"
-    if not path.exists():
-        pytest.fail(f"KubeRay CRDs not found at {path}: clone shared/ beside the repo or set KUBERAY_CRDS_DIR")
-    crd = yaml.load(path.read_text(), Loader=Loader)
-    (version,) = [v for v in crd["spec"]["versions"] if v["name"] == "v1" and v["served"]]
-    return strict(version["schema"]["openAPIV3Schema"])
+    """The RayService schema of the fields the project uses (k8s/schema, cut from KubeRay's CRD), strict."""
+    return strict(crds.load_used_schema()["schema"])
 
 
-def apiserver(obj, s: dict):
-    """What the API server stores: nulls of non-nullable fields dropped, absent defaults filled."""
-    if isinstance(obj, dict):
-        props = s.get("properties", {})
-        extra = s["additionalProperties"] if isinstance(s.get("additionalProperties"), dict) else {}
-        out = {}
-        for key, value in obj.items():
-            sub = props.get(key, extra)
-            if value is None and not sub.get("nullable"):
-                continue
-            out[key] = apiserver(value, sub)
-        for key, sub in props.items():
-            if key not in out and "default" in sub:
-                out[key] = apiserver(copy.deepcopy(sub["default"]), sub)
-        return out
-    if isinstance(obj, list) and isinstance(s.get("items"), dict):
-        return [apiserver(x, s["items"]) for x in obj]
-    return obj
+@functools.cache
+def kuberay_schema() -> dict:
+    """KubeRay's full RayService schema, strict, where this machine has the CRDs; else the test skips."""
+    found = crds.crd_dir()
+    if found is None:
+        pytest.skip(f"KubeRay's CRDs are not here: set KUBERAY_CRDS_DIR to a directory holding "
+                    f"{crds.CRD_FILE} (kuberay {crds.KUBERAY_VERSION}, ray-operator/config/crd/bases) "
+                    "to check the manifests against the full schema as well")
+    return strict(crds.full_schema(found))
 
 
-def validate_schema(rs: dict) -> dict:
-    """The stored object, or ManifestError listing every schema violation."""
-    schema = rayservice_schema()
-    check(rs.get("apiVersion") == "ray.io/v1" and rs.get("kind") == "RayService",
-          f"expected apiVersion ray.io/v1, kind RayService; got {rs.get('apiVersion')} {rs.get('kind')}")
+def schema_errors(rs: dict, schema: dict) -> tuple[dict, list[str]]:
+    """(what the API server stores, the schema's violations of it)."""
     stored = apiserver(rs, schema)
     errors = sorted(jsonschema.Draft7Validator(schema).iter_errors(stored), key=lambda e: list(e.path))
-    check(not errors, "; ".join(f"{'.'.join(map(str, e.path))}: {e.message}" for e in errors[:5]))
+    return stored, [f"{'.'.join(map(str, e.path))}: {e.message}" for e in errors]
+
+
+def validate_schema(rs: dict, schema: dict | None = None) -> dict:
+    """The stored object, or ManifestError listing the schema's violations (the project's schema
+    unless another is given)."""
+    check(rs.get("apiVersion") == "ray.io/v1" and rs.get("kind") == "RayService",
+          f"expected apiVersion ray.io/v1, kind RayService; got {rs.get('apiVersion')} {rs.get('kind')}")
+    stored, errors = schema_errors(rs, schema or rayservice_schema())
+    hint = "" if schema else " (k8s/schema lists the fields the project uses: a new one needs python -m cluster.crd_schema)"
+    check(not errors, "; ".join(errors[:5]) + hint)
     return stored
 
 
@@ -592,6 +553,35 @@ def test_broken_manifest_fails(breakage):
     BROKEN[breakage](rs)
     with pytest.raises(ManifestError):
         validate(rs)
+
+
+# --- the project's schema against KubeRay's own CRD (where this machine has it) -----------------------
+
+@pytest.mark.parametrize("path", MANIFESTS, ids=lambda p: p.name)
+def test_manifest_is_valid_against_kuberays_own_crd(path):
+    validate_schema(load(path), kuberay_schema())
+
+
+def test_the_projects_schema_is_what_kuberays_crd_gives():
+    kuberay_schema()  # skips without the CRDs
+    schema = crds.full_schema(crds.crd_dir())
+    stored = [apiserver(rs, schema) for rs in crds.committed_manifests()]
+    assert crds.render(crds.used_schema(schema, stored)) == crds.USED_SCHEMA.read_text(), \
+        "k8s/schema is stale: run python -m cluster.crd_schema"
+
+
+@pytest.mark.parametrize("breakage", sorted(BROKEN))
+def test_the_projects_schema_judges_a_broken_copy_as_kuberays_does(breakage):
+    rs = gpu_manifest()
+    BROKEN[breakage](rs)
+    ours, theirs = schema_errors(rs, rayservice_schema())[1], schema_errors(rs, kuberay_schema())[1]
+    assert bool(ours) == bool(theirs), f"ours: {ours[:2]}; KubeRay's: {theirs[:2]}"
+
+
+def test_the_projects_schema_refuses_fields_it_does_not_know():
+    rs = gpu_manifest()
+    worker(rs, 0)["template"]["spec"]["shareProcessNamespace"] = True  # a real Pod field the project never sets
+    assert schema_errors(rs, rayservice_schema())[1]
 
 
 # --- monitoring -------------------------------------------------------------------------------------------

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import sys
 import tempfile
 import time
 from contextlib import contextmanager
@@ -15,14 +16,17 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
+from app import dtypes
 from app.demo import corpus, train
 
 BUILD_FORMAT = 3  # bump when a change to the build makes old cached pairs wrong
 MARKER = "build.json"  # written last: its presence means the pair is complete
 
 
-GEN_UNIT_TOKENS = 8  # greedy tokens (for a batch of train.GEN_BATCH) per progress unit
-TARGET_STEP_UNITS = 6  # progress units of one target training step
+# Progress units, about one draft training step's time each, so that the bar's ETA holds through
+# every phase: what one target step and one greedy token (a batch of train.GEN_BATCH) cost, by
+# whether the CPU trains in bf16 (True) or float32 (False). Measured on 2-core machines.
+STEP_UNITS = {True: {"target": 6, "gen_token": 1 / 8}, False: {"target": 6, "gen_token": 1 / 8}}
 
 
 def cache_root(cache_dir: str | None = None) -> Path:
@@ -80,18 +84,30 @@ def _torch_threads(n: int):
 
 
 def build_pair(out: Path, quick: bool = False, seed: int = 0, progress: bool = True) -> None:
-    """Build tokenizer, target and draft into out/target and out/draft (deterministic in seed)."""
+    """Build tokenizer, target and draft into out/target and out/draft (deterministic in seed).
+
+    One recipe on every machine; the arithmetic is bf16 autocast where the CPU does bf16 natively,
+    float32 elsewhere (`app.dtypes`), so weights agree across machines to rounding, not bit for bit.
+    """
     plan = train.PLANS["quick" if quick else "full"]
-    # Progress in units of ~one draft step; a target training step costs about six, a batch
-    # of greedy sequences about one per GEN_UNIT_TOKENS generated tokens.
+    bf16 = dtypes.native_bf16("cpu")
+    units = STEP_UNITS[bf16]
     gen_batches = -(-plan.kd_sequences // train.GEN_BATCH)
-    gen_weight = max(1, plan.kd_new_tokens // GEN_UNIT_TOKENS)
-    total = 1 + TARGET_STEP_UNITS * plan.target_steps + gen_weight * gen_batches + plan.draft_steps + 1
-    t0 = time.time()
+    gen_weight = max(1, round(units["gen_token"] * plan.kd_new_tokens))
+    total = 1 + units["target"] * plan.target_steps + gen_weight * gen_batches + plan.draft_steps + 1
+    phases, t0 = {}, time.time()
     with _torch_threads(2), tqdm(total=total, desc="demo pair: tokenizer", disable=not progress,
                                  unit="u", dynamic_ncols=True) as bar:
+        if not bf16:
+            bar.write("demo pair: this CPU has no native bf16 matmul (torch would take its scalar "
+                      "fallback), so the pair trains in float32", file=sys.stderr)
+
         def tick(weight: int):
             return lambda loss: (bar.update(weight), bar.set_postfix(loss=f"{loss:.3f}"))
+
+        def phase(name: str):
+            phases[name] = time.time()
+            bar.set_description(f"demo pair: {name}")
 
         texts = corpus.training_texts()
         tok = train.train_tokenizer(texts, plan)
@@ -101,22 +117,28 @@ def build_pair(out: Path, quick: bool = False, seed: int = 0, progress: bool = T
         torch.manual_seed(seed)
         gen = torch.Generator().manual_seed(seed)
         target = train.new_model(plan.target, plan)
-        bar.set_description("demo pair: target")
-        train.train_target(target, stream, plan, gen, tick(TARGET_STEP_UNITS))
-        target.to(torch.bfloat16)  # from here on the teacher is exactly the served target
-        bar.set_description("demo pair: target greedy text")
+        phase("target")
+        train.train_target(target, stream, plan, gen, tick(units["target"]), bf16)
+        # The teacher is the served target: bf16 weights (as saved), computed in this CPU's dtype.
+        target.to(torch.bfloat16).to(dtypes.compute_dtype("cpu"))
+        phase("target greedy text")
         text = train.greedy_sequences(target, stream, plan, gen, lambda: bar.update(gen_weight))
         draft = train.new_model(plan.draft, plan)
-        bar.set_description("demo pair: draft")
-        train.distill_draft(draft, text, plan, gen, tick(1))
+        phase("draft")
+        train.distill_draft(draft, text, plan, gen, tick(1), bf16)
 
-        bar.set_description("demo pair: saving")
+        phase("saving")
         for name, model, dtype in (("target", target, torch.bfloat16), ("draft", draft, torch.float32)):
             model.to(dtype).save_pretrained(out / name)
             tok.save_pretrained(out / name)
         bar.update(1)
+    phases["end"] = time.time()
+    names = list(phases)
     info = {"format": BUILD_FORMAT, "seed": seed, "quick": quick, "plan": asdict(plan),
-            "corpus_tokens": stream.numel(), "build_seconds": round(time.time() - t0, 1)}
+            "corpus_tokens": stream.numel(), "build_seconds": round(time.time() - t0, 1),
+            "compute_dtype": "bfloat16" if bf16 else "float32",
+            "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+            "phase_seconds": {a: round(phases[b] - phases[a], 1) for a, b in zip(names, names[1:])}}
     (out / MARKER).write_text(json.dumps(info, indent=2))
 
 

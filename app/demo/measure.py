@@ -12,9 +12,17 @@ import statistics
 import time
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
+from transformers import PreTrainedModel
 
 from app.demo.corpus import load_heldout_prompts
+from app.runner import load_model
+
+
+def distinct_ngrams(tokens: list[int], n: int = 4) -> float:
+    """The share of a text's n-grams that are distinct: near 1 for prose or code, low for text that
+    loops (a looping target inflates τ without making a better pair)."""
+    grams = [tuple(tokens[i : i + n]) for i in range(len(tokens) - n + 1)]
+    return len(set(grams)) / max(1, len(grams))
 
 
 def replay_rounds(agree: list[bool], k: int) -> tuple[int, int]:
@@ -65,13 +73,13 @@ def step_ms(model: PreTrainedModel, context: int = 128, steps: int = 40) -> floa
 
 def measure_pair(target_dir: str, draft_dir: str, k: int = 4, new_tokens: int = 64) -> dict:
     """τ at K (greedy, held-out prompts), cost ratio c and parameter counts of a saved pair."""
-    tok = AutoTokenizer.from_pretrained(target_dir)
-    target = AutoModelForCausalLM.from_pretrained(target_dir, dtype="auto").eval()
-    draft = AutoModelForCausalLM.from_pretrained(draft_dir, dtype="auto").eval()
-    emitted, rounds, by_kind = 0, 0, {}
+    target, tok = load_model(target_dir, dtype="auto")  # bf16 only where this CPU does it natively
+    draft, _ = load_model(draft_dir, dtype="auto")
+    emitted, rounds, by_kind, distinct = 0, 0, {}, []
     for p in load_heldout_prompts():
         ids = tok(p["prompt"], return_tensors="pt").input_ids
         cont = greedy_continuation(target, ids, new_tokens)
+        distinct.append(distinct_ngrams(cont.tolist()))
         e, r = replay_rounds(agreement(draft, ids, cont), k)
         emitted, rounds = emitted + e, rounds + r
         ke, kr = by_kind.get(p["kind"], (0, 0))
@@ -81,6 +89,7 @@ def measure_pair(target_dir: str, draft_dir: str, k: int = 4, new_tokens: int = 
         "k": k,
         "tau": emitted / rounds,
         "tau_by_kind": {kind: e / r for kind, (e, r) in by_kind.items()},
+        "distinct_4grams": statistics.mean(distinct),
         "target_step_ms": target_ms,
         "draft_step_ms": draft_ms,
         "c": draft_ms / target_ms,

@@ -22,6 +22,8 @@ import torch.nn.functional as F
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
+from app.demo.muon import Muon
+
 BOS, EOS = "<s>", "</s>"
 
 
@@ -137,15 +139,15 @@ class _Optimizer:
     """AdamW, or (muon=True) Muon for the decoder's weight matrices and AdamW for the rest; one
     schedule: linear warm-up, then cosine decay to 10 %."""
 
-    def __init__(self, model: torch.nn.Module, lr: float, steps: int, muon: bool = False):
+    def __init__(self, model: torch.nn.Module, lr: float, steps: int, muon: bool = False, bf16: bool = False):
         def hidden(name: str, p: torch.Tensor) -> bool:  # Muon is for hidden matrices only
             return muon and p.ndim == 2 and "embed" not in name and "lm_head" not in name
         named = list(model.named_parameters())
         self.opts = [torch.optim.AdamW([p for n, p in named if not hidden(n, p)], lr=lr, betas=(0.9, 0.95),
                                        weight_decay=0.05)]
         if muon:
-            self.opts.append(torch.optim.Muon([p for n, p in named if hidden(n, p)], lr=MUON_LR,
-                                              weight_decay=0.0, adjust_lr_fn="original"))
+            self.opts.append(Muon([p for n, p in named if hidden(n, p)], lr=MUON_LR,
+                                  dtype=torch.bfloat16 if bf16 else torch.float32))
         warmup = max(1, steps // 20)
         self.scheds = [torch.optim.lr_scheduler.LambdaLR(
             o, lambda s: min(1.0, (s + 1) / warmup) * (0.1 + 0.45 * (1 + math.cos(math.pi * s / steps))))
@@ -164,14 +166,19 @@ class _Optimizer:
 Tick = Callable[[float], None]  # called after each step with its loss
 
 
+def autocast(bf16: bool):
+    """bf16 autocast where the CPU does bf16 natively (fp32 master weights), else a no-op: fp32."""
+    return torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16)
+
+
 def train_target(model: LlamaForCausalLM, stream: torch.Tensor, plan: BuildPlan,
-                 gen: torch.Generator, tick: Tick) -> None:
+                 gen: torch.Generator, tick: Tick, bf16: bool) -> None:
     """Next-token cross-entropy on random windows of the corpus."""
     opt = _Optimizer(model, plan.target_lr, plan.target_steps)
     model.train()
     for _ in range(plan.target_steps):
         x = sample_batch(stream, plan.batch, plan.seq_len, gen)  # [B, T+1]
-        with torch.autocast("cpu", dtype=torch.bfloat16):
+        with autocast(bf16):
             logits = model(x[:, :-1]).logits  # [B, T, V]
         loss = F.cross_entropy(logits.float().flatten(0, 1), x[:, 1:].flatten())
         opt.step(loss)
@@ -221,15 +228,15 @@ def greedy_sequences(target: LlamaForCausalLM, stream: torch.Tensor, plan: Build
 
 
 def distill_draft(draft: LlamaForCausalLM, text: GreedyText, plan: BuildPlan, gen: torch.Generator,
-                  tick: Tick) -> None:
+                  tick: Tick, bf16: bool) -> None:
     """Cross-entropy of the draft against the target's top-k distribution (renormalised) at every
     position of the target's greedy text: the draft learns the target's distribution where
     speculation is verified, so its argmax follows the target's, which is what acceptance rewards."""
-    opt = _Optimizer(draft, plan.draft_lr, plan.draft_steps, muon=True)
+    opt = _Optimizer(draft, plan.draft_lr, plan.draft_steps, muon=True, bf16=bf16)
     draft.train()
     for _ in range(plan.draft_steps):
         rows = torch.randint(0, text.tokens.shape[0], (plan.draft_batch,), generator=gen)
-        with torch.autocast("cpu", dtype=torch.bfloat16):
+        with autocast(bf16):
             q_logits = draft(text.tokens[rows, :-1]).logits  # [B, L - 1, V]
         q_logp = F.log_softmax(q_logits.float(), dim=-1).gather(-1, text.top_ids[rows])
         loss = -(torch.softmax(text.top_logp[rows], dim=-1) * q_logp).sum(-1).mean()
