@@ -181,7 +181,7 @@ def test_a_cpu_without_native_bf16_builds_the_pair_without_one_bf16_matmul(monke
     assert detector.seen == Counter()
     info = json.loads((tmp_path / build.MARKER).read_text())
     assert info["compute_dtype"] == "float32" and set(info["phase_seconds"]) >= {"target", "draft"}
-    assert "no native bf16" in capsys.readouterr().err  # the bar says why the build is slower
+    assert "no native bf16 matmul" in capsys.readouterr().err  # the bar says why the build is slower
     # the detector does see bf16 work where there is some: the native path's autocast
     model = train.new_model(train.PLANS["quick"].draft, train.PLANS["quick"])
     with Bf16Matmuls() as detector, train.autocast(True):
@@ -210,3 +210,23 @@ def test_muon_orthogonalises_in_the_dtype_it_is_given():
         theirs.step()
         ours.step()
     assert torch.allclose(a, b, atol=2e-3)
+
+
+def test_a_build_far_slower_than_the_reference_says_so_once(capsys):
+    from app.demo.progress import BuildProgress, Costs
+
+    now = [0.0]
+    bar = BuildProgress(Costs(1, 1, 1, 1), total=100, bf16=True, enabled=True, clock=lambda: now[0])
+    now[0] = 5.0
+    bar.advance(5)  # under a tenth of the work: too early to judge
+    now[0] = 30.0
+    bar.advance(5)  # 10 reference seconds took 30: 3x
+    now[0] = 90.0
+    bar.advance(10)
+    bar.close()
+    err = capsys.readouterr().err
+    assert err.count("slower than on the reference") == 1 and "3.0x" in err and "about 5 min" in err
+    fast = BuildProgress(Costs(1, 1, 1, 1), total=100, bf16=True, enabled=True, clock=lambda: 12.0)
+    fast.advance(10)  # 1.2x: within the reference's spread
+    fast.close()
+    assert "slower" not in capsys.readouterr().err

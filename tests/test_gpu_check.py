@@ -2,6 +2,9 @@
 
 import json
 
+import pytest
+import torch
+
 from app import gpu_check
 
 
@@ -32,3 +35,24 @@ def test_no_gpu_is_said_plainly(monkeypatch, capsys):
     monkeypatch.setattr(gpu_check.torch.cuda, "is_available", lambda: False)
     assert gpu_check.main([]) == 2
     assert "no CUDA device" in capsys.readouterr().err
+
+
+def test_a_cpu_without_native_bf16_skips_the_bf16_check_and_benchmarks_in_float32(monkeypatch, tmp_path):
+    monkeypatch.setenv("SPECSERVE_NATIVE_BF16", "0")
+    monkeypatch.setattr(gpu_check, "check_identity", lambda dtype, device, smoke: (
+        pytest.fail("bf16 identity run without native bf16") if dtype == torch.bfloat16
+        else {"ok": True, "prompts": 1, "identical": 1}))
+    out = tmp_path / "report.json"
+    assert gpu_check.main(["--device", "cpu", "--smoke", "--json", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert "no native bf16" in report["identity_bf16"]["skipped"]
+    seen = []
+
+    def llama(layers, hidden, vocab, seed, dtype, device):
+        seen.append(dtype)
+        raise RuntimeError("stop before building a 1B model")
+
+    monkeypatch.setattr(gpu_check, "llama", llama)
+    with pytest.raises(RuntimeError, match="stop before"):
+        gpu_check.benchmark("cpu", smoke=False)  # the full-size benchmark picks its dtype by the rule
+    assert seen == [torch.float32]

@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import sys
 import tempfile
 import time
 from contextlib import contextmanager
@@ -14,19 +13,23 @@ from dataclasses import asdict
 from pathlib import Path
 
 import torch
-from tqdm.auto import tqdm
 
 from app import dtypes
 from app.demo import corpus, train
+from app.demo.progress import BuildProgress, Costs
 
-BUILD_FORMAT = 3  # bump when a change to the build makes old cached pairs wrong
+BUILD_FORMAT = 4  # bump when a change to the build makes old cached pairs wrong
 MARKER = "build.json"  # written last: its presence means the pair is complete
 
 
-# Progress units, about one draft training step's time each, so that the bar's ETA holds through
-# every phase: what one target step and one greedy token (a batch of train.GEN_BATCH) cost, by
-# whether the CPU trains in bf16 (True) or float32 (False). Measured on 2-core machines.
-STEP_UNITS = {True: {"target": 6, "gen_token": 1 / 8}, False: {"target": 6, "gen_token": 1 / 8}}
+# What each piece of a build costs on the reference machines (2 cores), by plan and by whether the
+# CPU trains in bf16 (True) or float32 (False): the progress bar counts these, so its ETA holds.
+COSTS = {  # bf16: a 2-core Xeon with AMX; float32: the same restricted to AVX2 (no native bf16)
+    ("full", True): Costs(prepare=3.5, target_step=0.089, gen_batch=4.0, draft_step=0.092),
+    ("full", False): Costs(prepare=3.3, target_step=0.185, gen_batch=8.6, draft_step=0.168),
+    ("quick", True): Costs(prepare=3.3, target_step=0.047, gen_batch=0.05, draft_step=0.01),
+    ("quick", False): Costs(prepare=3.4, target_step=0.077, gen_batch=0.05, draft_step=0.01),
+}
 
 
 def cache_root(cache_dir: str | None = None) -> Path:
@@ -89,49 +92,47 @@ def build_pair(out: Path, quick: bool = False, seed: int = 0, progress: bool = T
     One recipe on every machine; the arithmetic is bf16 autocast where the CPU does bf16 natively,
     float32 elsewhere (`app.dtypes`), so weights agree across machines to rounding, not bit for bit.
     """
-    plan = train.PLANS["quick" if quick else "full"]
-    bf16 = dtypes.native_bf16("cpu")
-    units = STEP_UNITS[bf16]
+    name = "quick" if quick else "full"
+    plan, bf16 = train.PLANS[name], dtypes.native_bf16("cpu")
+    costs = COSTS[name, bf16]
     gen_batches = -(-plan.kd_sequences // train.GEN_BATCH)
-    gen_weight = max(1, round(units["gen_token"] * plan.kd_new_tokens))
-    total = 1 + units["target"] * plan.target_steps + gen_weight * gen_batches + plan.draft_steps + 1
+    total = (costs.prepare + costs.target_step * plan.target_steps + costs.gen_batch * gen_batches
+             + costs.draft_step * plan.draft_steps + costs.save)
+    bar = BuildProgress(costs, total, bf16, progress)
     phases, t0 = {}, time.time()
-    with _torch_threads(2), tqdm(total=total, desc="demo pair: tokenizer", disable=not progress,
-                                 unit="u", dynamic_ncols=True) as bar:
-        if not bf16:
-            bar.write("demo pair: this CPU has no native bf16 matmul (torch would take its scalar "
-                      "fallback), so the pair trains in float32", file=sys.stderr)
 
-        def tick(weight: int):
-            return lambda loss: (bar.update(weight), bar.set_postfix(loss=f"{loss:.3f}"))
+    def phase(name: str):
+        phases[name] = time.time()
+        bar.phase(name)
 
-        def phase(name: str):
-            phases[name] = time.time()
-            bar.set_description(f"demo pair: {name}")
+    with _torch_threads(2):
+        try:
+            phase("preparing")
+            texts = corpus.training_texts()
+            tok = train.train_tokenizer(texts, plan)
+            stream = train.encode_corpus(tok, texts)
+            bar.advance(costs.prepare)
 
-        texts = corpus.training_texts()
-        tok = train.train_tokenizer(texts, plan)
-        stream = train.encode_corpus(tok, texts)
-        bar.update(1)
+            torch.manual_seed(seed)
+            gen = torch.Generator().manual_seed(seed)
+            target = train.new_model(plan.target, plan)
+            phase("target")
+            train.train_target(target, stream, plan, gen, lambda loss: bar.advance(costs.target_step, loss), bf16)
+            # The teacher is the served target: bf16 weights (as saved), computed in this CPU's dtype.
+            target.to(torch.bfloat16).to(dtypes.compute_dtype("cpu"))
+            phase("target greedy text")
+            text = train.greedy_sequences(target, stream, plan, gen, lambda: bar.advance(costs.gen_batch))
+            draft = train.new_model(plan.draft, plan)
+            phase("draft")
+            train.distill_draft(draft, text, plan, gen, lambda loss: bar.advance(costs.draft_step, loss), bf16)
 
-        torch.manual_seed(seed)
-        gen = torch.Generator().manual_seed(seed)
-        target = train.new_model(plan.target, plan)
-        phase("target")
-        train.train_target(target, stream, plan, gen, tick(units["target"]), bf16)
-        # The teacher is the served target: bf16 weights (as saved), computed in this CPU's dtype.
-        target.to(torch.bfloat16).to(dtypes.compute_dtype("cpu"))
-        phase("target greedy text")
-        text = train.greedy_sequences(target, stream, plan, gen, lambda: bar.update(gen_weight))
-        draft = train.new_model(plan.draft, plan)
-        phase("draft")
-        train.distill_draft(draft, text, plan, gen, tick(1), bf16)
-
-        phase("saving")
-        for name, model, dtype in (("target", target, torch.bfloat16), ("draft", draft, torch.float32)):
-            model.to(dtype).save_pretrained(out / name)
-            tok.save_pretrained(out / name)
-        bar.update(1)
+            phase("saving")
+            for name, model, dtype in (("target", target, torch.bfloat16), ("draft", draft, torch.float32)):
+                model.to(dtype).save_pretrained(out / name)
+                tok.save_pretrained(out / name)
+            bar.advance(costs.save)
+        finally:
+            bar.close()
     phases["end"] = time.time()
     names = list(phases)
     info = {"format": BUILD_FORMAT, "seed": seed, "quick": quick, "plan": asdict(plan),
