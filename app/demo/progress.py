@@ -41,7 +41,7 @@ class BuildProgress:
         self.bar.write(f"demo pair: {line}", file=sys.stderr)
 
     def phase(self, name: str) -> None:
-        self.bar.set_description(f"demo pair: {name}")
+        self.bar.set_description_str(f"demo pair: {name}")
 
     def advance(self, seconds: float, loss: float | None = None) -> None:
         self.bar.update(seconds)
