@@ -5,16 +5,28 @@ PYTHON ?= python3
 VENV ?= .venv
 TORCH_SPEC ?= torch==2.13.0
 BIN := $(VENV)/bin
+# pip byte-compiles every file it installs on one core; compileall does the same on all cores.
+PIP := $(BIN)/pip install --no-compile
+COMPILE := $(BIN)/python -m compileall -q -j 0 $$($(BIN)/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])') >/dev/null || true  # a few test-data files never compile
 
-.PHONY: install serve test bench demo-models gpu-check fuzz
+.PHONY: install install-test serve test bench demo-models gpu-check fuzz
 
+# serving needs only the package; the suite's tools (pytest, scipy, schemathesis...) come with `make test`
 $(BIN)/specserve: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
-	$(BIN)/pip install $(TORCH_SPEC)
-	$(BIN)/pip install -e ".[test]"
+	$(PIP) $(TORCH_SPEC)
+	$(PIP) -e .
+	$(COMPILE)
+	touch $@
+
+$(VENV)/.test-tools: $(BIN)/specserve
+	$(PIP) -e ".[test]"
+	$(COMPILE)
 	touch $@
 
 install: $(BIN)/specserve
+
+install-test: $(VENV)/.test-tools
 
 serve: install
 	$(BIN)/specserve serve
@@ -25,14 +37,14 @@ demo-models: install
 bench: install
 	$(BIN)/specserve bench
 
-test: install
+test: install-test
 	$(BIN)/python -m pytest -q
 
 # against a live app: schemathesis, FUZZ_CASES bodies per endpoint and mode (2 x 2); then hostile bodies
 # (HOSTILE_CASES generated, past the schema's bounds) beside greedy streams. 0 x 5xx expected
-fuzz: install
+fuzz: install-test
 	FUZZ_CASES=$${FUZZ_CASES:-500} HOSTILE_CASES=$${HOSTILE_CASES:-3000} $(BIN)/python -m pytest -q -s tests/test_fuzz.py tests/test_hostile.py
 
 # on a machine with one NVIDIA GPU (and a CUDA torch: see TORCH_SPEC above); no Ray, no network
-gpu-check: install
+gpu-check: install-test
 	$(BIN)/python -m app.gpu_check --json gpu-check.json
