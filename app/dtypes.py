@@ -1,7 +1,7 @@
 """Which float type a device computes in: bfloat16 where its matmuls run natively, float32 elsewhere.
 
 A CPU without native bf16 (x86 without AVX512-BF16 or AMX, ARM without BF16; a common cloud shape)
-runs torch's bf16 matmuls in a scalar fallback, 50-300x slower than float32. Flags lie (oneDNN may
+runs torch's bf16 matmuls in a scalar fallback, 50-100x slower than float32. Flags lie (oneDNN may
 report bf16 support it only emulates, a VM may hide an extension), so the CPU is measured: one small
 bf16 and one float32 matmul, timed once per process. `SPECSERVE_NATIVE_BF16=1|0` overrides the
 measurement (for a reproducible run, or a test).

@@ -55,9 +55,13 @@ class ReferenceGrammar(LogitsProcessor):
         self.seen = len(out)
         mask = llguidance.torch.allocate_token_bitmask(1, scores.shape[-1])
         llguidance.torch.fill_next_token_bitmask(self.matcher, mask, 0)
-        scores = scores.clone()
-        llguidance.torch.apply_token_bitmask_inplace(scores, mask)
-        return scores
+        # the bits read in plain Python: an oracle apart from the engine's unpacking and from
+        # llguidance's own torch.compile'd kernel (wrong under a forced AVX2 dispatch on an AVX-512 CPU)
+        words = mask[0].tolist()
+        allowed = [t for t in range(scores.shape[-1]) if words[t // 32] >> (t % 32) & 1]
+        masked = torch.full_like(scores, float("-inf"))
+        masked[:, allowed] = scores[:, allowed]
+        return masked
 
 
 def constrained_reference(model, tokenizer, prompt_ids, grammar, n):
