@@ -1,7 +1,8 @@
 """The KubeRay manifests (k8s/): what the API server, the KubeRay operator and Ray Serve would say.
 
-No cluster runs here, so each layer is checked offline: the CRD schema (strict, after the API
-server's pruning and defaulting), the operator's own validation, the Serve config (Ray's schema,
+No cluster runs here, so each layer is checked offline: the RayService schema (the project's cut
+of KubeRay's CRD in k8s/schema, strict, after the API server's pruning and defaulting; KubeRay's
+full CRD too where KUBERAY_CRDS_DIR or ../shared/kuberay-crds has it), the operator's own validation, the Serve config (Ray's schema,
 strict, and the app's typed args), and the consistency between them (pools, GPUs, exposure).
 Broken copies of a manifest must fail the same checks.
 """
