@@ -231,3 +231,14 @@ def test_a_build_far_slower_than_the_reference_says_so_once(capsys):
     fast.advance(10)  # 1.2x: within the reference's spread
     fast.close()
     assert "slower" not in capsys.readouterr().err
+
+
+def test_a_recipe_trial_changes_only_the_fields_it_names():
+    from app.demo.trial import trial_plan
+
+    plan = trial_plan({"target_steps": 7, "target": {"layers": 2, "hidden": 64, "intermediate": 128, "heads": 2}})
+    full = train.PLANS["full"]
+    assert plan.target_steps == 7 and plan.target == train.ModelShape(2, 64, 128, 2)
+    assert plan.draft == full.draft and plan.batch == full.batch and plan.seq_len == full.seq_len
+    with pytest.raises(TypeError):
+        trial_plan({"target_stepz": 7})

@@ -86,14 +86,15 @@ def _torch_threads(n: int):
         torch.set_num_threads(before)
 
 
-def build_pair(out: Path, quick: bool = False, seed: int = 0, progress: bool = True) -> None:
+def build_pair(out: Path, quick: bool = False, seed: int = 0, progress: bool = True,
+               plan: train.BuildPlan | None = None) -> None:
     """Build tokenizer, target and draft into out/target and out/draft (deterministic in seed).
 
     One recipe on every machine; the arithmetic is bf16 autocast where the CPU does bf16 natively,
     float32 elsewhere (`app.dtypes`), so weights agree across machines to rounding, not bit for bit.
     """
     name = "quick" if quick else "full"
-    plan, bf16 = train.PLANS[name], dtypes.native_bf16("cpu")
+    plan, bf16 = plan or train.PLANS[name], dtypes.native_bf16("cpu")  # a given plan: a recipe trial
     costs = COSTS[name, bf16]
     gen_batches = -(-plan.kd_sequences // train.GEN_BATCH)
     total = (costs.prepare + costs.target_step * plan.target_steps + costs.gen_batch * gen_batches

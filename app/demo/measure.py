@@ -71,6 +71,19 @@ def step_ms(model: PreTrainedModel, context: int = 128, steps: int = 40) -> floa
     return statistics.median(times[5:]) * 1e3  # the first steps warm up allocators
 
 
+@torch.no_grad()
+def heldout_loss(model_dir: str, windows: int = 32, length: int = 256) -> float:
+    """Cross-entropy (nats per token) of a saved model on random windows of the held-out modules."""
+    from app.demo.corpus import heldout_files, read_source
+    from app.demo.train import encode_corpus, sample_batch
+
+    model, tok = load_model(model_dir, dtype="float32")
+    stream = encode_corpus(tok, [read_source(p) for p in heldout_files()])
+    x = sample_batch(stream, windows, length, torch.Generator().manual_seed(1))  # [windows, length + 1]
+    logits = model(x[:, :-1]).logits
+    return torch.nn.functional.cross_entropy(logits.flatten(0, 1), x[:, 1:].flatten()).item()
+
+
 def measure_pair(target_dir: str, draft_dir: str, k: int = 4, new_tokens: int = 64) -> dict:
     """τ at K (greedy, held-out prompts), cost ratio c and parameter counts of a saved pair."""
     target, tok = load_model(target_dir, dtype="auto")  # bf16 only where this CPU does it natively
