@@ -54,7 +54,8 @@ def demo_pair(quick: bool = False, rebuild: bool = False, seed: int = 0,
 
     Both are Hugging Face model directories (safetensors + the shared tokenizer) for
     `AutoModelForCausalLM` / `AutoTokenizer.from_pretrained`. The target is saved in bfloat16
-    (its serving dtype on CPU and GPU); the draft, whose step is overhead-bound, in float32.
+    (`dtype: auto` serves it so where the device does bf16 natively, in float32 elsewhere); the
+    draft, whose step is overhead-bound, in float32.
     """
     final = pair_dir(quick, seed, cache_dir)
     if rebuild or not (final / MARKER).exists():
