@@ -214,10 +214,10 @@ def test_muon_orthogonalises_in_the_dtype_it_is_given():
 
 
 def test_a_build_far_slower_than_the_reference_says_so_once(capsys):
-    from app.demo.progress import BuildProgress, Costs
+    from app.demo.progress import BuildProgress
 
     now = [0.0]
-    bar = BuildProgress(Costs(1, 1, 1, 1), total=100, bf16=True, enabled=True, clock=lambda: now[0])
+    bar = BuildProgress(total=100, bf16=True, enabled=True, clock=lambda: now[0])
     now[0] = 5.0
     bar.advance(5)  # under a tenth of the work: too early to judge
     now[0] = 30.0
@@ -227,7 +227,7 @@ def test_a_build_far_slower_than_the_reference_says_so_once(capsys):
     bar.close()
     err = capsys.readouterr().err
     assert err.count("slower than on the reference") == 1 and "3.0x" in err and "about 5 min" in err
-    fast = BuildProgress(Costs(1, 1, 1, 1), total=100, bf16=True, enabled=True, clock=lambda: 12.0)
+    fast = BuildProgress(total=100, bf16=True, enabled=True, clock=lambda: 12.0)
     fast.advance(10)  # 1.2x: within the reference's spread
     fast.close()
     assert "slower" not in capsys.readouterr().err

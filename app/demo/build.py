@@ -100,12 +100,12 @@ def build_pair(out: Path, quick: bool = False, seed: int = 0, progress: bool = T
     gen_batches = -(-plan.kd_sequences // train.GEN_BATCH)
     total = (costs.prepare + costs.target_step * plan.target_steps + costs.gen_batch * gen_batches
              + costs.draft_step * plan.draft_steps + costs.save)
-    bar = BuildProgress(costs, total, bf16, progress)
+    bar = BuildProgress(total, bf16, progress)
     phases, t0 = {}, time.time()
 
-    def phase(name: str):
-        phases[name] = time.time()
-        bar.phase(name)
+    def phase(step: str):
+        phases[step] = time.time()
+        bar.phase(step)
 
     with _torch_threads(2):
         try:
@@ -129,9 +129,9 @@ def build_pair(out: Path, quick: bool = False, seed: int = 0, progress: bool = T
             train.distill_draft(draft, text, plan, gen, lambda loss: bar.advance(costs.draft_step, loss), bf16)
 
             phase("saving")
-            for name, model, dtype in (("target", target, torch.bfloat16), ("draft", draft, torch.float32)):
-                model.to(dtype).save_pretrained(out / name)
-                tok.save_pretrained(out / name)
+            for part, model, dtype in (("target", target, torch.bfloat16), ("draft", draft, torch.float32)):
+                model.to(dtype).save_pretrained(out / part)
+                tok.save_pretrained(out / part)
             bar.advance(costs.save)
         finally:
             bar.close()

@@ -27,11 +27,11 @@ class Costs:
 class BuildProgress:
     """A tqdm bar whose units are reference seconds; `advance` after each piece of work."""
 
-    def __init__(self, costs: Costs, total: float, bf16: bool, enabled: bool, clock=time.monotonic):
+    def __init__(self, total: float, bf16: bool, enabled: bool, clock=time.monotonic):
         self.bar = tqdm(total=round(total, 1), desc="demo pair: preparing", disable=not enabled,
                         unit="s", unit_scale=False, dynamic_ncols=True,
                         bar_format="{desc}: {percentage:3.0f}%|{bar}| [{elapsed}<{remaining}{postfix}]")
-        self.costs, self.bf16, self.clock, self.warned = costs, bf16, clock, False
+        self.clock, self.warned = clock, False
         self.t0 = clock()
         if not bf16:
             self.say("this CPU has no native bf16 matmul (torch would take its scalar fallback), "
