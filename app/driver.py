@@ -21,6 +21,13 @@ first, the rest of that proposal is next round's. Alone on its target, it waits:
 A seeded sampled request always waits: its draws depend on each round's K, which must not depend
 on load.
 
+First token at once: a request's first round (no output yet) is a plain target step, the prompt's
+prefill, as it is with speculation off; the draft is asked beside it, never before it, for the
+prompt's proposal. When the target's first token is the draft's first, the rest of that proposal is
+the second round's (for requests whose output does not depend on K); either way the draft holds
+the prompt's KV by then. Every request's first round has K = 0 whatever the load, so seeded output
+stays a function of the request alone; a resumed request (it has output) skips the rule.
+
 Fail open, per sequence: a draft that errs or misses its deadline turns this sequence's rounds
 into plain target steps for a while; no other sequence is touched. A seeded sampled request first
 asks again (its output depends on its K, and a retry gets the same proposal from whichever replica
@@ -97,6 +104,7 @@ class _Ahead:
     task: asyncio.Task
     started: float
     finished: float | None = None  # when the draft answered (set by the task's done callback)
+    prompt: bool = False  # asked beside the prompt's prefill (not drafting ahead: its use is no "ahead hit")
 
 
 class Rounds:
@@ -113,11 +121,28 @@ class Rounds:
         self.ahead: _Ahead | None = None
         self.draft_down_until = float("-inf")
         self.down_reason = "draft_unavailable"
+        self.first = not state.output_ids  # the request's first round: the target's prefill alone
+
+    def draft_beside_prefill(self) -> None:
+        """Ask the draft for the prompt's proposal now, while the target prefills it (first round only)."""
+        state = self.state
+        if not (self.first and self.propose and self.ahead is None) or self.policy.clock() < self.draft_down_until:
+            return
+        k = within_room(state, self.controller.choose(*_costs(state, self.costs, self.verify_cost)), 1)
+        if k > 0:
+            self._ask_ahead(list(state.token_ids), k + 1)
+            self.ahead.prompt = True
 
     async def next(self) -> tuple[Verdict, RoundFacts]:
         """One round: choose K, get a proposal (drafted ahead, or now, or none), verify, learn."""
         state, clock = self.state, self.policy.clock
         t_round = time.perf_counter()
+        if self.first:
+            self.draft_beside_prefill()
+            self.first = False
+            verdict, facts = await self._verify(Proposal.empty(), 0, None, None, t_round, 0.0)
+            facts.prompt = True
+            return verdict, facts
         wanted = self.controller.choose(*_costs(state, self.costs, self.verify_cost)) if self.propose else 0
         k = within_room(state, wanted)
         proposal, fallback, ahead_hit, t_draft = Proposal.empty(), None, None, 0.0
@@ -127,6 +152,7 @@ class Rounds:
             fallback = self.down_reason
         elif k > 0:
             t0 = time.perf_counter()
+            beside_prompt = self.ahead is not None and self.ahead.prompt
             ready = self._ready_ahead(flexible)
             exact = self.ahead is not None and self.ahead.context == state.token_ids
             try:
@@ -141,7 +167,16 @@ class Rounds:
                 else:
                     ahead_hit = exact if self.ahead is not None else None
                     try:
-                        proposal = await (self._await_ahead() if exact else self._draft(state.token_ids, k))
+                        proposal = None
+                        if not exact and flexible and self._shifted_ahead():
+                            # drafted for this context less its last token (beside the prompt's prefill):
+                            # its forward is under way, so awaiting it beats queueing a new one behind it
+                            proposal = (await self._await_ahead()).after(state.token_ids[-1])
+                            ahead_hit = proposal is not None
+                        elif exact:
+                            proposal = await self._await_ahead()
+                        if proposal is None:
+                            proposal = await self._draft(state.token_ids, k)
                     except DraftUnavailable:
                         if flexible:
                             raise
@@ -152,12 +187,20 @@ class Rounds:
                 proposal = Proposal.empty()
             proposal = proposal.head(k)
             t_draft = time.perf_counter() - t0
+            if beside_prompt:
+                ahead_hit = None
         elif wanted == 0 and self.propose and state.params.speculation.pinned_k() != 0:
             fallback = "controller"  # speculation is on, but the controller found it would not pay
         if fallback != "draft_behind":
             self._cancel_ahead()
         if proposal.tokens and self.policy.ahead and proposal.guess is not None:
             self._draft_ahead(proposal)
+        return await self._verify(proposal, k, fallback, ahead_hit, t_round, t_draft)
+
+    async def _verify(self, proposal: Proposal, k: int, fallback: str | None, ahead_hit: bool | None,
+                      t_round: float, t_draft: float) -> tuple[Verdict, RoundFacts]:
+        """Verify this round's proposal (empty: a plain target step), learn from it, report the round."""
+        state = self.state
         t0 = time.perf_counter()
         with telemetry.span("target.verify", attributes={"specserve.k": len(proposal.tokens)}):
             new = len(state.token_ids) - self.cached + len(proposal.tokens)
@@ -228,6 +271,11 @@ class Rounds:
     def _ask_ahead(self, context: list[int], k: int) -> None:
         a = self.ahead = _Ahead(context, asyncio.ensure_future(self._draft(context, k)), time.perf_counter())
         a.task.add_done_callback(lambda _: setattr(a, "finished", time.perf_counter()))
+
+    def _shifted_ahead(self) -> bool:
+        """Whether the proposal in flight was asked for this round's context less its last token."""
+        a, context = self.ahead, self.state.token_ids
+        return a is not None and len(context) == len(a.context) + 1 and context[:-1] == a.context
 
     def _ready_ahead(self, flexible: bool) -> Proposal | None:
         """The proposal drafted ahead, if it is in hand and fits this round's context; consumed.
@@ -304,6 +352,8 @@ async def run_rounds(
     """
     rounds = Rounds(state, propose, verify, controller, costs, verify_cost, policy, company)
     rounds.cached = cached
+    with telemetry.span("draft.beside_prefill", trace_parent):  # the proposal's spans join the request's trace
+        rounds.draft_beside_prefill()  # the draft's prefill of the prompt runs beside the target's chunks
     score = state.params.prompt_logprobs is not None and not state.output_ids
     try:
         length = len(state.token_ids)
@@ -325,7 +375,7 @@ async def run_rounds(
                 telemetry.set_attributes(span, telemetry.round_attributes(facts))
             observer.round(facts)
             state.stats.record(verdict.drafted, verdict.accepted, len(verdict.tokens), facts.fallback is not None,
-                               facts.batch_size, facts.ahead_hit)
+                               facts.batch_size, facts.ahead_hit, facts.prompt)
             state.stats.time(facts)
             yield state.append(verdict.tokens, verdict.logprobs)
     finally:

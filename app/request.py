@@ -37,6 +37,8 @@ class SpeculationStats:
     drafted_tokens: int = 0
     accepted_tokens: int = 0
     rounds: int = 0
+    prompt_rounds: int = 0  # first rounds (the prompt's prefill, a plain step by design): not in tau
+    prompt_tokens_emitted: int = 0  # what those emitted
     drafted_rounds: int = 0  # rounds in which the draft proposed tokens
     fallback_rounds: int = 0
     emitted_tokens: int = 0
@@ -48,8 +50,10 @@ class SpeculationStats:
     seconds: dict = field(default_factory=lambda: dict.fromkeys(TIMES, 0.0))
 
     def record(self, drafted: int, accepted: int, emitted: int, fallback: bool = False, batch_size: int = 1,
-               ahead_hit: bool | None = None) -> None:
+               ahead_hit: bool | None = None, prompt: bool = False) -> None:
         self.rounds += 1
+        self.prompt_rounds += int(prompt)
+        self.prompt_tokens_emitted += emitted if prompt else 0
         if ahead_hit is not None:
             self.ahead_checked += 1
             self.ahead_hits += int(ahead_hit)
@@ -78,8 +82,10 @@ class SpeculationStats:
             "drafted_rounds": self.drafted_rounds,
             "accepted_per_position": list(self.accepted_per_position),  # accepted draft tokens at proposal position j
             "acceptance_rate": self.accepted_tokens / self.drafted_tokens if self.drafted_tokens else 0.0,
-            # tokens per target forward, the bonus/recovered token included (tau)
-            "mean_accepted_length": self.emitted_tokens / self.rounds if self.rounds else 0.0,
+            # tokens per decoding round's target forward, the bonus/recovered token included (tau); the
+            # prompt's round, which emits the first token as plain decoding does, is not a decoding round
+            "mean_accepted_length": ((self.emitted_tokens - self.prompt_tokens_emitted) / decoding if (
+                decoding := self.rounds - self.prompt_rounds) else 0.0),
             "fallback_rounds": self.fallback_rounds,
             "max_target_batch_size": self.max_target_batch,  # the largest verify batch this request rode in
             # rounds whose proposal was drafted while the previous round verified, of those that tried

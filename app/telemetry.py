@@ -41,6 +41,7 @@ class RoundFacts:
     batch_size: int  # verify batch this round rode in
     ahead_hit: bool | None = None  # a proposal drafted ahead was used (True), discarded (False); None: none
     draft_hidden_s: float = 0.0  # of the proposal's round trip, the part that ran while the last round verified
+    prompt: bool = False  # the request's first round: the prompt's prefill, a plain step by design
 
 
 class RoundObserver(Protocol):

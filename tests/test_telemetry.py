@@ -140,14 +140,18 @@ def test_one_trace_per_request_with_parent_links_through_the_items(tokenizer, sp
     assert len({s.context.trace_id for s in finished}) == 1
     names = [s.name for s in finished]
     assert names.count("generate") == 1 and names.count("round") == state.stats.rounds
-    expected = {"round": "generate", "draft.propose": "round", "target.verify": "round",
-                "DraftServer.propose": "draft.propose", "TargetServer.verify": "target.verify"}
+    # the draft's proposal for the prompt is asked beside the prompt's prefill, before the first round
+    expected = {"round": {"generate"}, "draft.propose": {"round", "draft.beside_prefill"},
+                "target.verify": {"round"}, "DraftServer.propose": {"draft.propose"},
+                "TargetServer.verify": {"target.verify"}, "draft.beside_prefill": {"generate"}}
     for s in finished:
         if s.name != "generate":
-            assert parent(s) == expected[s.name], s.name
+            assert parent(s) in expected[s.name], s.name
+    assert names.count("draft.beside_prefill") == 1
     rounds = [s for s in finished if s.name == "round"]
     assert sum(s.attributes["specserve.accepted"] for s in rounds) == state.stats.accepted_tokens
-    assert all(s.attributes["specserve.k"] == 3 and s.attributes["specserve.batch_size"] == 3 for s in rounds[:-1])
+    assert rounds[0].attributes["specserve.k"] == 0  # the prompt's round: a plain step
+    assert all(s.attributes["specserve.k"] == 3 and s.attributes["specserve.batch_size"] == 3 for s in rounds[1:-1])
     assert all(s.attributes["specserve.replica"] == "r1" for s in finished if "Server" in s.name)
 
 
@@ -180,5 +184,7 @@ def test_controller_choosing_k0_is_a_controller_fallback(tokenizer):
     observer = Recorder()
     state = run_request(tokenizer, FakeServers(), max_tokens=3, k="auto", controller=NeverSpeculates(),
                         observer=observer, traced=False)  # the request leaves K to the controller
-    assert [f.fallback for f in observer.facts] == ["controller"] * 3
-    assert state.stats.fallback_rounds == 3 and all(f.k == 0 for f in observer.facts)
+    # the first round is the prompt's prefill, a plain step whatever the controller says
+    assert [f.fallback for f in observer.facts] == [None, "controller", "controller"]
+    assert [f.prompt for f in observer.facts] == [True, False, False]
+    assert state.stats.fallback_rounds == 2 and all(f.k == 0 for f in observer.facts)
