@@ -88,13 +88,14 @@ class Engine:
                  tokenizer=None, vocab_size: int | None = None, max_context: int | None = None,
                  k_max: int = 8, draft_top_n: int = 32, policy: DraftPolicy | None = None,
                  verify_cost: Callable[[], float] = lambda: 0.0, prefill_chunk: int | None = 512,
-                 max_batch_tokens: int | None = MAX_BATCH_TOKENS, eos_ids: frozenset[int] | None = None):
+                 max_batch_tokens: int | None = MAX_BATCH_TOKENS, eos_ids: frozenset[int] | None = None,
+                 kv_capacity: int | None = None):
         # the local runners, when in process (benchmarks read their models); None when remote
         self.target = target if isinstance(target, ModelRunner) else None
         self.draft = draft if isinstance(draft, ModelRunner) else None
         if isinstance(target, ModelRunner):
             tokenizer, vocab_size, max_context = target.tokenizer, target.vocab_size, target.max_context
-            eos_ids = target.eos_ids
+            eos_ids, kv_capacity = target.eos_ids, target.capacity_tokens()
             if isinstance(draft, ModelRunner):
                 check_vocabularies(target.tokenizer, draft.tokenizer)
             target = ForwardQueue(in_thread(functools.partial(verify, target)), target.release,
@@ -104,7 +105,12 @@ class Engine:
             draft = ForwardQueue(in_thread(functools.partial(propose, draft, top_n=draft_top_n)), draft.release,
                                  name="DraftServer.propose", forget=draft.forget)
         self.verifier, self.drafter = target, draft
-        self.tokenizer, self.vocab_size, self.max_context = tokenizer, vocab_size, max_context
+        self.tokenizer, self.vocab_size = tokenizer, vocab_size
+        # admission: a sequence holds at most the target's whole KV budget, so a context past it is refused
+        # (never admitted to be evicted and recomputed every round); past the model's positions, too
+        self.max_context, self.context_limit = max_context, "the model's context"
+        if kv_capacity is not None and (max_context is None or kv_capacity < max_context):
+            self.max_context, self.context_limit = kv_capacity, "the target's KV cache budget"
         self.eos_ids = eos_ids  # None: the tokenizer's
         self.grammars = Grammars(tokenizer, vocab_size)  # to check requests' grammars (masks are the runners')
         self.k_max = k_max
@@ -150,7 +156,7 @@ class Engine:
             if any(not isinstance(t, int) or not 0 <= t < self.vocab_size for t in ids):
                 raise InvalidRequestError(f"prompt token ids must be in [0, {self.vocab_size})", param="prompt")
         return RequestState(request_id or uuid.uuid4().hex, ids, params, self.tokenizer, self.max_context,
-                            eos_ids=self.eos_ids)
+                            eos_ids=self.eos_ids, context_limit=self.context_limit)
 
     def check(self, params: SamplingParams) -> None:
         """Refuse what the model cannot honour: biases of tokens it lacks, a grammar llguidance cannot compile."""
@@ -190,7 +196,7 @@ class Engine:
         its batch). Whatever has queued while a chunk was being sent goes out as one chunk.
         """
         job.validate(self.vocab_size)
-        state = job.state(self.tokenizer, self.max_context, self.eos_ids)  # a bad job fails here, alone
+        state = job.state(self.tokenizer, self.max_context, self.eos_ids, self.context_limit)  # a bad job fails here, alone
         await asyncio.to_thread(self.check, state.params)  # a grammar compiles off the loop that runs every round
         chunks: asyncio.Queue = asyncio.Queue()
         producer = asyncio.ensure_future(self._produce(job, state, observer, trace_parent, chunks))

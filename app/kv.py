@@ -1,138 +1,247 @@
-"""Per-sequence KV caches with prefix reuse, rollback and an LRU memory budget.
+"""Paged KV caches: fixed-size blocks in one pool per model, a block table per sequence.
 
 transformers' caches hold one batch; a server needs caches that outlive a batch and are regrouped
-into a new batch every round, so this store keeps each sequence's keys and values on its own and
-lends them to a batched transformers cache for one forward.
+into a new batch every round. So a model's keys and values live in one pool of blocks of
+BLOCK_SIZE positions, allocated once at the budget's size (on a GPU this is the memory vLLM's
+`gpu_memory_utilization` leaves), and each sequence holds a table of the blocks its positions are
+in. Nothing grows or moves while serving:
 
-Each sequence's KV lives in a buffer with spare capacity (a slab): a round writes only its new
-positions into it, and rolling back is forgetting positions, so no round copies a whole cache.
+- Prefix sharing is by reference: a new sequence whose prompt starts like a cached one takes that
+  sequence's whole blocks into its own table (a reference count each) and copies at most the one
+  block the shared part ends in. A block is copied before a sequence writes into it while another
+  holds it (copy on write).
+- Rollback of rejected tokens is a length change: the positions past the kept length are written
+  again by the next round, in the blocks the sequence already holds.
+- Memory is the pool's: the budget is blocks, a sequence that cannot get blocks evicts the least
+  recently used (finished donors first), and a context larger than the pool is refused at admission
+  (`capacity_tokens`), never recomputed round after round.
+
+The pool of each layer is laid out [kv heads, slots, head dim] (slot = block * BLOCK_SIZE + offset),
+so a run of consecutive blocks is one strided view: attention reads a sequence whose table is one
+run in place. The allocator therefore gives a sequence the blocks right after its last one where
+they are free, and takes a quarter spare as it grows while the pool has room. On a CPU, reading in place measures
+faster than any gather (docs/architecture.md has the figures); a table in several runs (a shared
+prefix, a fragmented pool) is gathered per forward.
 """
 
 import threading
 from collections import OrderedDict
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
+BLOCK_SIZE = 16  # positions per block; also the prefix index's unit: a shared prefix is found to the block, then exactly
+PREFIX_BLOCK = BLOCK_SIZE
+
+
+class OutOfBlocks(RuntimeError):
+    """The pool cannot hold what a forward must write, even after evicting every other sequence."""
+
 
 def grown_capacity(length: int) -> int:
-    """Capacity for a slab that must hold `length` positions: a quarter spare, at least 16."""
+    """Positions a batch buffer reserves to hold `length`: a quarter spare, at least 16."""
     return length + max(16, length // 4)
+
+
+def blocks_for(positions: int) -> int:
+    return -(-positions // BLOCK_SIZE)
 
 
 @dataclass
 class SequenceCache:
-    """The KV of one sequence: the token ids it covers and per layer (keys, values) slabs of [H, capacity, D].
-
-    Only the first len(token_ids) positions of a slab are valid; the rest is room to grow.
-    """
+    """One sequence's KV: the token ids whose positions are valid and the table of blocks holding them
+    (it may hold spare blocks past its length: room to grow without moving)."""
 
     token_ids: list[int]
-    slabs: list[tuple[torch.Tensor, torch.Tensor]]
-
-    @property
-    def layers(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """Per layer (keys, values) of the valid positions: views [H, L, D]."""
-        n = len(self.token_ids)
-        return [(k[:, :n], v[:, :n]) for k, v in self.slabs]
-
-    @property
-    def capacity(self) -> int:
-        return self.slabs[0][0].shape[1] if self.slabs else 0
-
-    @property
-    def nbytes(self) -> int:
-        return sum(k.nbytes + v.nbytes for k, v in self.slabs)
+    blocks: list[int] = field(default_factory=list)
 
     def __len__(self) -> int:
         return len(self.token_ids)
 
-    def copy_prefix(self, length: int) -> "SequenceCache":
-        """A new cache holding a copy of the first `length` positions (a second row of one sequence)."""
-        cap = grown_capacity(length)
-        slabs = []
-        for k, v in self.slabs:
-            k2, v2 = k.new_empty(k.shape[0], cap, k.shape[2]), v.new_empty(v.shape[0], cap, v.shape[2])
-            k2[:, :length], v2[:, :length] = k[:, :length], v[:, :length]
-            slabs.append((k2, v2))
-        return SequenceCache(self.token_ids[:length], slabs)
+    @property
+    def capacity(self) -> int:
+        return len(self.blocks) * BLOCK_SIZE
 
-    def reserve(self, length: int) -> None:
-        """Make room for `length` positions, keeping the valid ones (amortised: grows by a quarter)."""
-        if length <= self.capacity:
-            return
-        n, cap = len(self.token_ids), grown_capacity(length)
-        grown = []
-        for k, v in self.slabs:
-            k2, v2 = k.new_empty(k.shape[0], cap, k.shape[2]), v.new_empty(v.shape[0], cap, v.shape[2])
-            k2[:, :n], v2[:, :n] = k[:, :n], v[:, :n]
-            grown.append((k2, v2))
-        self.slabs = grown
+    def runs(self, length: int) -> list[tuple[int, int]]:
+        """The slots of positions [0, length) as runs of consecutive slots: [(first slot, end slot)]."""
+        out: list[tuple[int, int]] = []
+        for i in range(blocks_for(length)):
+            start = self.blocks[i] * BLOCK_SIZE
+            end = start + min(BLOCK_SIZE, length - i * BLOCK_SIZE)
+            if out and out[-1][1] == start:
+                out[-1] = (out[-1][0], end)
+            else:
+                out.append((start, end))
+        return out
+
+    def slots(self, start: int, end: int) -> list[int]:
+        """The pool slot of each position in [start, end)."""
+        return [self.blocks[p // BLOCK_SIZE] * BLOCK_SIZE + p % BLOCK_SIZE for p in range(start, end)]
 
 
 def common_prefix(a: list[int], b: list[int]) -> int:
     """Length of the longest common prefix of two token lists."""
     n = min(len(a), len(b))
+    if a[:n] == b[:n]:  # the usual case (a cached context extended), compared at C speed
+        return n
     for i in range(n):
         if a[i] != b[i]:
             return i
     return n
 
 
-PREFIX_BLOCK = 16  # tokens per block of the prefix index: a shared prefix is found to the block, then exactly
-
-
-def block_keys(token_ids: list[int], start: int = 0, salt: str | None = None):
-    """(block end, key) for each whole block of token_ids: the key names the whole prefix up to that end,
-    under the sequence's cache salt (None, the shared scope, keys as before)."""
-    key = None if salt is None else hash(("cache_salt", salt))
-    for end in range(PREFIX_BLOCK, len(token_ids) + 1, PREFIX_BLOCK):
-        key = hash((key, tuple(token_ids[end - PREFIX_BLOCK : end])))
+def block_keys(token_ids: list[int], start: int = 0, salt: str | None = None, key: int | None = None):
+    """(block end, key) for each whole block of token_ids ending past `start`: the key names the whole
+    prefix up to that end, under the sequence's cache salt (None, the shared scope). `key`: the chain's
+    key at `start` (a multiple of the block) when already known, so only later blocks are hashed."""
+    if key is None:
+        key, first = (None if salt is None else hash(("cache_salt", salt))), BLOCK_SIZE
+    else:
+        first = start + BLOCK_SIZE
+    for end in range(first, len(token_ids) + 1, BLOCK_SIZE):
+        key = hash((key, tuple(token_ids[end - BLOCK_SIZE : end])))
         if end > start:
             yield end, key
 
 
+class BlockPool:
+    """Per layer a keys and a values tensor [kv heads, blocks * BLOCK_SIZE, head dim]; a reference
+    count per block; free blocks as a byte map (1 = free), searched for runs at C speed."""
+
+    def __init__(self, layers: int, heads: int, head_dim: int, dtype: torch.dtype, device: torch.device,
+                 num_blocks: int):
+        shape = (heads, num_blocks * BLOCK_SIZE, head_dim)
+        # empty, not zeros: a CPU allocation is only committed as blocks are written
+        self.keys = [torch.empty(shape, dtype=dtype, device=device) for _ in range(layers)]
+        self.values = [torch.empty(shape, dtype=dtype, device=device) for _ in range(layers)]
+        self.num_blocks = num_blocks
+        self.refs = [0] * num_blocks
+        self.free_map = bytearray(b"\x01") * num_blocks
+        self.free = num_blocks
+        self.block_bytes = 2 * layers * heads * BLOCK_SIZE * head_dim * torch.finfo(dtype).bits // 8
+        self.shape = (layers, heads, head_dim, dtype)
+
+    def take(self, n: int, after: int | None = None) -> list[int] | None:
+        """n free blocks, referenced once: the ones right after block `after` when free, else a run of n
+        consecutive blocks, else any n; None when fewer than n are free."""
+        if n <= 0:
+            return []
+        if n > self.free:
+            return None
+        start = -1
+        if after is not None and self.free_map[after + 1 : after + 1 + n] == b"\x01" * n:
+            start = after + 1
+        if start < 0:
+            start = self.free_map.find(b"\x01" * n)
+        if start >= 0:
+            ids = list(range(start, start + n))
+        else:  # fragmented: the first n free blocks
+            ids, i = [], 0
+            while len(ids) < n:
+                i = self.free_map.index(1, i)
+                ids.append(i)
+                i += 1
+        for b in ids:
+            self.free_map[b] = 0
+            self.refs[b] = 1
+        self.free -= n
+        return ids
+
+    def ref(self, blocks: list[int]) -> None:
+        for b in blocks:
+            self.refs[b] += 1
+
+    def unref(self, blocks: list[int]) -> None:
+        for b in blocks:
+            self.refs[b] -= 1
+            if self.refs[b] == 0:
+                self.free_map[b] = 1
+                self.free += 1
+
+    def copy(self, src: int, dst: int, positions: int = BLOCK_SIZE) -> None:
+        """Copy the first `positions` slots of block src into block dst, every layer."""
+        a, b = src * BLOCK_SIZE, dst * BLOCK_SIZE
+        for t in (*self.keys, *self.values):
+            t[:, b : b + positions] = t[:, a : a + positions]
+
+
 class KVStore:
-    """Sequence id -> SequenceCache, least recently used evicted first when over budget, with
-    automatic prefix caching: a new sequence starts from a copy of the longest prefix any cached
-    sequence shares with it (the same system prompt, a chat's earlier turns, a retried request).
+    """Sequence id -> SequenceCache over one BlockPool, least recently used evicted first, with
+    automatic prefix caching: a new sequence starts from the longest prefix any cached sequence of
+    the same cache salt shares with it (the same system prompt, a chat's earlier turns, a retried
+    request), by reference to its blocks.
 
-    A released sequence is not dropped but retired: its KV stays as a prefix donor until the
-    budget needs the room, and retired entries are evicted before any live one. The budget counts
-    slabs' whole capacity, spare room included: it bounds real memory.
+    A released sequence is not dropped but retired: its blocks stay as a prefix donor until the
+    pool needs them, and retired entries are evicted before any live one. The budget counts every
+    block a sequence holds, spare ones included: it bounds real memory.
 
-    A prefix index maps each block of cached tokens, keyed by the whole prefix it ends, to a
-    sequence holding it. A hit is always confirmed on the token ids themselves, so the index may
-    be stale or collide without ever changing a result. Reused keys and values are what the
-    sequence's own prefill computes for the same tokens at the same positions; as with any
-    batched forward, only float rounding from the batch's shape can differ.
+    A prefix index maps each whole block of cached tokens, keyed by the whole prefix it ends, to a
+    sequence holding it. A hit is always confirmed on the token ids themselves, so the index may be
+    stale or collide without ever changing a result. Reused keys and values are what the sequence's
+    own prefill computes for the same tokens at the same positions; as with any batched forward,
+    only float rounding from the batch's shape can differ.
 
     Prefixes are shared only within a cache salt (a request's `cache_salt`; None is the shared scope):
     time to first token must not tell one client whether another's prompt is cached. The salt starts
     each key chain and a hit is confirmed on it as on the token ids.
 
-    `on_drop(seq_id)` runs whenever a sequence's entry goes (dropped or evicted), so state the runner
-    keeps beside it (grammar matchers) goes with it. It runs under the store's lock, on the forward's
-    thread: it must not call back into the store.
+    The pool is made at the first forward (its shapes are the model's keys'), at `max_bytes`;
+    lowering max_bytes later evicts down to it. `on_drop(seq_id)` runs whenever a sequence's entry
+    goes (dropped or evicted), so state the runner keeps beside it (grammar matchers) goes with it. It
+    runs under the store's lock, on the forward's thread: it must not call back into the store.
 
-    Forwards run in a worker thread while releases come from the event loop: a lock guards the map.
+    Forwards run in a worker thread while releases come from the event loop: a lock guards the maps.
     """
 
     def __init__(self, max_bytes: int, on_drop: Callable[[str], None] = lambda seq_id: None):
         self.max_bytes = max_bytes
         self.on_drop = on_drop
+        self.pool: BlockPool | None = None
         self._entries: OrderedDict[str, SequenceCache] = OrderedDict()
-        self._sizes: dict[str, int] = {}  # bytes accounted per entry when it was last put
         self._retired: OrderedDict[str, None] = OrderedDict()  # released, kept as prefix donors; oldest first
         self._index: dict[int, str] = {}  # block key -> a sequence id that held that prefix
         self._keys: dict[str, list[int]] = {}  # sequence id -> the block keys indexed for it, in order
         self._salts: dict[str, str] = {}  # sequence id -> its cache salt, where it has one
-        self.nbytes = 0
         self.evictions = 0
         self.prefix_hit_tokens = 0  # prompt tokens not recomputed thanks to another sequence's cache
         self._lock = threading.RLock()
 
+    # -- the pool ---------------------------------------------------------------------------------
+    def configure(self, layers: int, heads: int, head_dim: int, dtype: torch.dtype, device: torch.device) -> BlockPool:
+        """The pool, made on first use at the budget's size (the same shapes every later call)."""
+        if self.pool is None:
+            per_block = 2 * layers * heads * BLOCK_SIZE * head_dim * torch.finfo(dtype).bits // 8
+            self.pool = BlockPool(layers, heads, head_dim, dtype, device, max(1, self.max_bytes // per_block))
+        return self.pool
+
+    @property
+    def block_bytes(self) -> int:
+        return self.pool.block_bytes if self.pool else 0
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the blocks sequences hold (each block once, however many share it)."""
+        return (self.pool.num_blocks - self.pool.free) * self.pool.block_bytes if self.pool else 0
+
+    def entry_bytes(self, entry: SequenceCache) -> int:
+        """Bytes of the blocks one sequence holds (shared ones included)."""
+        return len(entry.blocks) * self.block_bytes
+
+    def read(self, entry: SequenceCache, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """A sequence's keys and values of one layer, [kv heads, len(entry), head dim] (a copy)."""
+        slots = torch.tensor(entry.slots(0, len(entry)), device=self.pool.keys[layer].device, dtype=torch.long)
+        return self.pool.keys[layer].index_select(1, slots), self.pool.values[layer].index_select(1, slots)
+
+    def _limit_blocks(self) -> int:
+        return min(self.pool.num_blocks, self.max_bytes // self.pool.block_bytes)
+
+    def capacity_tokens(self, per_block_bytes: int) -> int:
+        """Positions one sequence can hold at most: the whole budget in blocks of `per_block_bytes`."""
+        blocks = self.max_bytes // per_block_bytes if self.pool is None else self._limit_blocks()
+        return blocks * BLOCK_SIZE
+
+    # -- sequences --------------------------------------------------------------------------------
     def __contains__(self, seq_id: str) -> bool:
         return seq_id in self._entries and seq_id not in self._retired
 
@@ -147,12 +256,14 @@ class KVStore:
                 self._entries.move_to_end(seq_id)
             return entry
 
-    def borrow(self, token_ids: list[int], limit: int, salt: str | None = None) -> SequenceCache | None:
-        """A new cache holding a copy of the longest prefix of token_ids cached under the same salt (at
-        most `limit` positions, at least one block), or None."""
+    def borrow(self, token_ids: list[int], limit: int, salt: str | None = None,
+               protect: frozenset[str] = frozenset()) -> SequenceCache | None:
+        """A new cache holding the longest prefix of token_ids cached under the same salt (at most
+        `limit` positions, at least one block), or None: the donor's whole blocks by reference, the
+        block the shared part ends in copied. Not stored: put() it, or free() it."""
         with self._lock:
             donor = None
-            for end, key in block_keys(token_ids[:limit], salt=salt):
+            for _, key in block_keys(token_ids[:limit], salt=salt):
                 seq_id = self._index.get(key)
                 if seq_id is None:
                     break
@@ -161,39 +272,95 @@ class KVStore:
             if entry is None or self._salts.get(donor) != salt:
                 return None
             n = min(common_prefix(entry.token_ids, token_ids), limit)
-            if n < PREFIX_BLOCK:
+            if n < BLOCK_SIZE:
+                return None
+            borrowed = self._share(entry, token_ids[:n], protect | {donor})
+            if borrowed is None:
                 return None
             self.prefix_hit_tokens += n
             if donor in self._retired:
                 self._retired.move_to_end(donor)  # recently useful: evicted last among the retired
-            return entry.copy_prefix(n)
+            return borrowed
 
-    def put(self, seq_id: str, entry: SequenceCache, salt: str | None = None) -> None:
-        """Store (or re-account, after it grew) a sequence's cache, live (a retired one stored again is
-        live again), a prefix donor for sequences of the same salt. Room is made first, so readers on
-        another thread never see the budget exceeded: retired sequences go first, then the least
-        recently used live ones. An entry larger than the whole budget is not kept."""
+    def borrow_own(self, entry: SequenceCache, n: int, protect: frozenset[str] = frozenset()) -> SequenceCache:
+        """A second table over the first n positions of `entry` (a second row of one sequence in one
+        batch): its whole blocks by reference, the block position n falls in copied."""
         with self._lock:
-            self._forget(seq_id)
-            while self._entries and self.nbytes + entry.nbytes > self.max_bytes:
-                # an evicted sequence is recomputed from its token ids on its next call: slower, never wrong
-                self.drop(next(iter(self._retired)) if self._retired else next(iter(self._entries)))
-                self.evictions += 1
-            if entry.nbytes > self.max_bytes:
-                self.drop(seq_id)
-                self.evictions += 1
-                return
+            shared = self._share(entry, entry.token_ids[:n], protect)
+            if shared is None:
+                raise OutOfBlocks("the KV cache has no block left for a second row of a sequence")
+            return shared
+
+    def _share(self, entry: SequenceCache, token_ids: list[int], protect: frozenset[str]) -> SequenceCache | None:
+        """A new table holding token_ids (a prefix of entry's): entry's whole blocks referenced, the
+        partly used last one copied; None when no block is left for that copy."""
+        n = len(token_ids)
+        whole = n // BLOCK_SIZE
+        shared = entry.blocks[:whole]
+        self.pool.ref(shared)
+        out = SequenceCache(list(token_ids), list(shared))
+        if n % BLOCK_SIZE:
+            tail = self._take(1, None, protect)
+            if tail is None:
+                self.pool.unref(shared)
+                return None
+            self.pool.copy(entry.blocks[whole], tail[0], n % BLOCK_SIZE)
+            out.blocks += tail
+        return out
+
+    def reserve(self, entry: SequenceCache, start: int, end: int, protect: frozenset[str] = frozenset()) -> None:
+        """Make positions [start, end) of entry writable: blocks enough (a quarter spare), and any block
+        in that range another sequence also holds copied first. Evicts others to make room; raises
+        OutOfBlocks when even that cannot."""
+        with self._lock:
+            for i in range(start // BLOCK_SIZE, min(blocks_for(end), len(entry.blocks))):
+                if self.pool.refs[entry.blocks[i]] > 1:  # shared: copy on write
+                    (own,) = self._need(1, None, protect)
+                    self.pool.copy(entry.blocks[i], own)
+                    self.pool.unref([entry.blocks[i]])
+                    entry.blocks[i] = own
+            missing = blocks_for(end) - len(entry.blocks)
+            if missing > 0:
+                # a quarter spare, so the table grows in runs; taken only where no other sequence must go for it
+                spare = blocks_for(end + end // 4) - len(entry.blocks)
+                after = entry.blocks[-1] if entry.blocks else None
+                used = self.pool.num_blocks - self.pool.free
+                got = self.pool.take(spare, after) if used + spare <= self._limit_blocks() else None
+                entry.blocks += got if got is not None else self._need(missing, after, protect)
+
+    def free(self, entry: SequenceCache) -> None:
+        """Give back the blocks of an entry that was never stored (a borrowed cache whose forward failed)."""
+        with self._lock:
+            self.pool.unref(entry.blocks)
+            entry.blocks = []
+
+    def put(self, seq_id: str, entry: SequenceCache, salt: str | None = None, unchanged: int = 0) -> None:
+        """Store (or re-account) a sequence's cache, live (a retired one stored again is live again), a
+        prefix donor for sequences of the same salt. `unchanged`: leading positions whose tokens are
+        the same as when it was last put (their index entries are kept, not hashed again). A different
+        entry stored under seq_id replaces the old one, whose blocks are given back."""
+        with self._lock:
+            old = self._entries.get(seq_id)
+            if old is not None and old is not entry:
+                self._forget(seq_id)
+                unchanged = 0
+            self._retired.pop(seq_id, None)
             self._entries[seq_id] = entry
-            self._sizes[seq_id] = entry.nbytes
-            self.nbytes += entry.nbytes
+            self._entries.move_to_end(seq_id)
             if salt is not None:
                 self._salts[seq_id] = salt
-            self._reindex(seq_id, entry.token_ids)
+            self._reindex(seq_id, entry.token_ids, unchanged)
+            self._fit(frozenset({seq_id}))
 
     def retire(self, seq_id: str) -> None:
-        """A finished sequence: keep its KV as a prefix donor while the budget has room."""
+        """A finished sequence: keep its KV as a prefix donor while the budget has room; its spare
+        blocks go back at once."""
         with self._lock:
-            if seq_id in self._entries:
+            entry = self._entries.get(seq_id)
+            if entry is not None:
+                keep = blocks_for(len(entry.token_ids))
+                self.pool.unref(entry.blocks[keep:])
+                del entry.blocks[keep:]
                 self._retired[seq_id] = None
                 self._retired.move_to_end(seq_id)
 
@@ -201,20 +368,58 @@ class KVStore:
         """Free a sequence's cache now (and, through on_drop, what the runner keeps beside it)."""
         with self._lock:
             self._forget(seq_id)
-            self._unindex(seq_id, 0)
             self.on_drop(seq_id)
 
-    def _reindex(self, seq_id: str, token_ids: list[int]) -> None:
-        """Index the whole blocks of token_ids; blocks indexed before that no longer match are replaced.
-        Hashing a sequence's blocks costs about a microsecond per block and runs once per round."""
-        keys = [key for _, key in block_keys(token_ids, salt=self._salts.get(seq_id))]
-        old = self._keys.get(seq_id, [])
-        same = next((i for i, (a, b) in enumerate(zip(old, keys)) if a != b), min(len(old), len(keys)))
-        self._unindex(seq_id, same)
-        for key in keys[same:]:
+    # -- room -------------------------------------------------------------------------------------
+    def _take(self, n: int, after: int | None, protect: frozenset[str]) -> list[int] | None:
+        """n blocks within the budget, evicting others when needed; None when even that cannot."""
+        while True:
+            used = self.pool.num_blocks - self.pool.free
+            if used + n <= self._limit_blocks():
+                got = self.pool.take(n, after)
+                if got is not None:
+                    return got
+            if not self._evict_one(protect):
+                return None
+
+    def _need(self, n: int, after: int | None, protect: frozenset[str]) -> list[int]:
+        got = self._take(n, after, protect)
+        if got is None:
+            raise OutOfBlocks(f"the KV cache cannot hold {n} more blocks of {BLOCK_SIZE} positions: "
+                              f"{self._limit_blocks()} blocks in all, the batch's own sequences hold the rest")
+        return got
+
+    def _fit(self, protect: frozenset[str]) -> None:
+        """Evict until the blocks held are within max_bytes (it may have been lowered)."""
+        while self.pool is not None and self.nbytes > self.max_bytes and self._evict_one(protect):
+            pass
+
+    def _evict_one(self, protect: frozenset[str]) -> bool:
+        """Drop the oldest retired sequence, else the least recently used live one not in `protect`."""
+        victim = next((s for s in self._retired if s not in protect), None)
+        if victim is None:
+            victim = next((s for s in self._entries if s not in protect), None)
+        if victim is None:
+            return False
+        # an evicted sequence is recomputed from its token ids on its next call: slower, never wrong
+        self.drop(victim)
+        self.evictions += 1
+        return True
+
+    # -- the prefix index -------------------------------------------------------------------------
+    def _reindex(self, seq_id: str, token_ids: list[int], unchanged: int) -> None:
+        """Index the whole blocks of token_ids, hashing only those past the `unchanged` positions
+        (about a microsecond per block)."""
+        keys = self._keys.get(seq_id, [])
+        keep = min(len(keys), unchanged // BLOCK_SIZE, len(token_ids) // BLOCK_SIZE)
+        self._unindex(seq_id, keep)
+        keys = self._keys.setdefault(seq_id, [])
+        start = keep * BLOCK_SIZE
+        for _, key in block_keys(token_ids, start, self._salts.get(seq_id), keys[-1] if keys else None):
             self._index[key] = seq_id
-        if keys:
-            self._keys[seq_id] = keys
+            keys.append(key)
+        if not keys:
+            del self._keys[seq_id]
 
     def _unindex(self, seq_id: str, blocks: int) -> None:
         """Keep only the first `blocks` index entries of seq_id."""
@@ -227,7 +432,10 @@ class KVStore:
             self._keys.pop(seq_id, None)
 
     def _forget(self, seq_id: str) -> None:
-        if self._entries.pop(seq_id, None) is not None:
-            self.nbytes -= self._sizes.pop(seq_id)
+        entry = self._entries.pop(seq_id, None)
+        if entry is not None:
+            self.pool.unref(entry.blocks)
+            entry.blocks = []
         self._retired.pop(seq_id, None)
+        self._unindex(seq_id, 0)
         self._salts.pop(seq_id, None)

@@ -18,15 +18,26 @@ class InsufficientMemoryError(RuntimeError):
     """The device cannot hold the weights, the working buffers and any KV cache at this utilization."""
 
 
-def working_bytes(config, dtype: torch.dtype, tokens: int, vocab: int) -> int:
+def working_bytes(config, dtype: torch.dtype, tokens: int, vocab: int, context: int | None = None) -> int:
     """Memory one forward of `tokens` positions works in, beyond weights and KV cache (an upper
     estimate): the float32 logits of every position and three more copies of them for sampled
     verification (padded, processed, sorted), plus per-position activations (the residual stream,
-    the attention projections, the MLP's two wide ones, with room for the allocator)."""
+    the attention projections, the MLP's two wide ones, with room for the allocator); and attention's
+    own scratch for one layer at a time over keys of `context` positions (default: the model's): a
+    sequence whose blocks are not one run is gathered (its keys and values, once), and a masked
+    attention that falls back to the math kernel holds float32 scores [heads, tokens, context] and
+    their softmax."""
     hidden = getattr(config, "hidden_size", 0)
     wide = getattr(config, "intermediate_size", 4 * hidden)
-    per_position = 4 * 4 * vocab + 2 * torch.finfo(dtype).bits // 8 * (6 * hidden + 3 * wide)
-    return tokens * per_position
+    itemsize = torch.finfo(dtype).bits // 8
+    per_position = 4 * 4 * vocab + 2 * itemsize * (6 * hidden + 3 * wide)
+    heads = getattr(config, "num_attention_heads", 0) or 0
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    head_dim = getattr(config, "head_dim", None) or (hidden // heads if heads else 0)
+    context = context or getattr(config, "max_position_embeddings", 0) or tokens
+    gathered = 2 * kv_heads * context * head_dim * itemsize
+    scores = 2 * 4 * heads * min(tokens, context) * context
+    return tokens * per_position + gathered + scores
 
 
 def kv_budget(device: torch.device, *, utilization: float, cap: int | None, working: int, reserved: int = 0,
@@ -44,6 +55,20 @@ def kv_budget(device: torch.device, *, utilization: float, cap: int | None, work
             f"{working / 2**30:.2f} GiB of working buffers: at memory_utilization {utilization} nothing is left "
             "for the KV cache; raise memory_utilization, shard wider (tensor_parallel_size) or lower max_batch_tokens")
     return allowed if cap is None else min(cap, allowed)
+
+
+def agree_on_budget(runner) -> int:
+    """Under tensor parallelism every rank must hold the same sequences (their collectives must match),
+    so every rank takes the smallest rank's budget: an all-reduce (MIN) over the process group. Call it
+    on every rank after size_kv_budget and before the first forward; returns the agreed budget."""
+    dist = torch.distributed
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return runner.cache.max_bytes
+    device = runner.device if dist.get_backend() == "nccl" else torch.device("cpu")
+    budget = torch.tensor([runner.cache.max_bytes], dtype=torch.int64, device=device)
+    dist.all_reduce(budget, op=dist.ReduceOp.MIN)
+    runner.cache.max_bytes = int(budget.item())
+    return runner.cache.max_bytes
 
 
 def size_kv_budget(runner, utilization: float, cap: int | None, forward_tokens: int, reserved: int = 0,

@@ -2,13 +2,14 @@
 
 A batch of verify rows (K+1 tokens each), draft steps (1 each) and prompts (hundreds) runs as one
 forward over T = the sum of their new tokens: the linears, norms and MLPs see no padding, and
-attention reads each sequence's keys and values in place, from the slab that holds its KV cache
-(app/kv.py). Nothing is gathered into a padded batch and nothing is copied back: a forward writes
-each sequence's new positions straight into its slab, and a rollback forgets positions.
+attention reads each sequence's keys and values from the blocks that hold its KV cache (app/kv.py),
+in place where they are one run of the pool. Nothing is gathered into a padded batch and nothing is
+copied back: a forward writes every sequence's new positions straight into their blocks, one indexed
+copy per layer, and a rollback is a length change.
 
 This is the varlen layout of transformers' own continuous batching (tokens packed, attention told
 where each sequence starts); its paged cache is built around its own scheduler, so here the
-layout is carried by a registered attention function over our per-sequence slabs. The model's
+layout is carried by a registered attention function over our block pool. The model's
 forward is Hugging Face's, unchanged.
 """
 
@@ -19,7 +20,7 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
 
-from app.kv import SequenceCache, grown_capacity
+from app.kv import BlockPool, SequenceCache
 
 NAME = "specserve_ragged"
 LAYOUT = "specserve_layout"  # the forward's keyword argument carrying the Layout to the attention function
@@ -34,6 +35,8 @@ class Span:
     length: int  # new tokens
     offset: int  # index of its first new token in the packed row
     mask: torch.Tensor | None = None  # its causal mask, built by the first layer that needs it
+    runs: list[tuple[int, int]] | None = None  # the slots of its positions [0, end), as runs of the pool
+    gather: torch.Tensor | None = None  # those slots as one index, when they are more than one run
 
     def causal_mask(self, device: torch.device) -> torch.Tensor | None:
         """Query j (absolute position start + j) sees keys 0..start + j: causal, offset by what was
@@ -45,33 +48,33 @@ class Span:
 
 
 class Layout:
-    """The packed row's sequences; the model's cache for one forward (it writes into their slabs)."""
+    """The packed row's sequences; the model's cache for one forward: it writes every sequence's new
+    keys and values into their blocks with one indexed copy per layer, and attention reads them there."""
 
-    def __init__(self, spans: list[Span]):
-        self.spans = spans
+    def __init__(self, spans: list[Span], pool: BlockPool):
+        self.spans, self.pool = spans, pool
+        device = pool.keys[0].device
+        self.slots = torch.tensor([slot for s in spans for slot in s.entry.slots(s.start, s.start + s.length)],
+                                  device=device)
+        for s in spans:
+            s.runs = s.entry.runs(s.start + s.length)
+            if len(s.runs) > 1:
+                s.gather = torch.tensor(s.entry.slots(0, s.start + s.length), device=device)
 
     def update(self, keys: torch.Tensor, values: torch.Tensor, layer_idx: int, *args, **kwargs):
-        """Write each sequence's new keys/values ([1, H, T, D], packed) into its slab at its positions."""
-        for s in self.spans:
-            k, v = _slab(s.entry, layer_idx, keys, values, s.start + s.length)
-            k[:, s.start : s.start + s.length] = keys[0, :, s.offset : s.offset + s.length]
-            v[:, s.start : s.start + s.length] = values[0, :, s.offset : s.offset + s.length]
+        """Write the packed new keys/values ([1, H, T, D]) into the pool at their slots."""
+        self.pool.keys[layer_idx].index_copy_(1, self.slots, keys[0])
+        self.pool.values[layer_idx].index_copy_(1, self.slots, values[0])
         return keys, values
 
-
-def _slab(entry: SequenceCache, layer: int, keys: torch.Tensor, values: torch.Tensor, need: int):
-    """The entry's (keys, values) slab of `layer`, allocated or grown to hold `need` positions."""
-    while len(entry.slabs) <= layer:  # a new sequence: slabs appear layer by layer in the first forward
-        cap = grown_capacity(need)
-        entry.slabs.append((keys.new_empty(keys.shape[1], cap, keys.shape[3]),
-                            values.new_empty(values.shape[1], cap, values.shape[3])))
-    k, v = entry.slabs[layer]
-    if need > k.shape[1]:  # full: grow by a quarter (amortised), keeping what it holds
-        cap = grown_capacity(need)
-        k2, v2 = k.new_empty(k.shape[0], cap, k.shape[2]), v.new_empty(v.shape[0], cap, v.shape[2])
-        k2[:, : k.shape[1]], v2[:, : v.shape[1]] = k, v
-        entry.slabs[layer] = k, v = k2, v2
-    return k, v
+    def kv(self, s: Span, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """A span's keys and values of every position it attends to, [1, H, end, D]: read in place when
+        its blocks are one run of the pool, else gathered."""
+        k, v = self.pool.keys[layer], self.pool.values[layer]
+        if s.gather is None:
+            a, b = s.runs[0]
+            return k[:, a:b].unsqueeze(0), v[:, a:b].unsqueeze(0)
+        return k.index_select(1, s.gather).unsqueeze(0), v.index_select(1, s.gather).unsqueeze(0)
 
 
 def ragged_attention(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask,
@@ -86,12 +89,10 @@ def ragged_attention(module, query: torch.Tensor, key: torch.Tensor, value: torc
     layer = module.layer_idx
     gqa = query.shape[1] != key.shape[1]
     for s in layout.spans:
-        end = s.start + s.length
-        k, v = s.entry.slabs[layer]
+        k, v = layout.kv(s, layer)
         q = query[:, :, s.offset : s.offset + s.length]  # [1, Hq, n, D]
         out[:, :, s.offset : s.offset + s.length] = torch.nn.functional.scaled_dot_product_attention(
-            q, k[:, :end].unsqueeze(0), v[:, :end].unsqueeze(0), attn_mask=s.causal_mask(q.device), scale=scaling,
-            enable_gqa=gqa)
+            q, k, v, attn_mask=s.causal_mask(q.device), scale=scaling, enable_gqa=gqa)
     return out.transpose(1, 2), None
 
 

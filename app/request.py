@@ -100,16 +100,17 @@ class RequestState:
 
     def __init__(self, request_id: str, prompt_ids: list[int], params: SamplingParams, tokenizer, max_context: int,
                  *, seed: int | None = None, output_ids: list[int] | None = None, streamed_chars: int = 0,
-                 eos_ids: set[int] | frozenset[int] | None = None):
+                 eos_ids: set[int] | frozenset[int] | None = None, context_limit: str = "the model's context"):
         """seed: the request's draw seed (params.seed, else a fresh one); output_ids and streamed_chars:
         what an earlier replica already streamed, when a request resumes after failover; eos_ids: the
         model's end-of-sequence ids (app.runner.eos_ids: its generation config's and its tokenizer's),
-        by default the tokenizer's alone."""
+        by default the tokenizer's alone; context_limit: what max_context is (the model's positions, or
+        the KV cache's budget where that is smaller), named in the error."""
         if not prompt_ids:
             raise InvalidRequestError("prompt is empty: give at least one token", param="prompt")
         if len(prompt_ids) >= max_context:
             raise ContextLengthError(
-                f"prompt has {len(prompt_ids)} tokens but the model's context is {max_context}: "
+                f"prompt has {len(prompt_ids)} tokens but {context_limit} is {max_context} tokens: "
                 "shorten the prompt", param="prompt")
         self.request_id = request_id
         self.prompt_ids = list(prompt_ids)
@@ -318,8 +319,9 @@ class GenerationJob:
             raise InvalidRequestError("controller must be three finite counts >= 0", param="controller")
         check_vocabulary(parse_sampling(self.params), vocab_size)
 
-    def state(self, tokenizer, max_context: int, eos_ids: frozenset[int] | None = None) -> RequestState:
+    def state(self, tokenizer, max_context: int, eos_ids: frozenset[int] | None = None,
+              context_limit: str = "the model's context") -> RequestState:
         """The request's state on the replica that runs it now."""
         return RequestState(self.request_id, self.prompt_ids, SamplingParams.model_validate(self.params), tokenizer,
                             max_context, seed=self.seed, output_ids=self.output_ids,
-                            streamed_chars=self.streamed_chars, eos_ids=eos_ids)
+                            streamed_chars=self.streamed_chars, eos_ids=eos_ids, context_limit=context_limit)

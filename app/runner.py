@@ -11,7 +11,7 @@ from transformers.cache_utils import Cache, DynamicLayer
 from app import dtypes
 from app.cpu_linear import pack_linears
 from app.grammar import Grammars
-from app.kv import KVStore, SequenceCache, common_prefix, grown_capacity
+from app.kv import BLOCK_SIZE, KVStore, SequenceCache, common_prefix, grown_capacity
 from app.ragged import LAYOUT, Layout, Span, supports_ragged
 from app.ragged import NAME as RAGGED
 from app.request import tokenizer_eos_ids
@@ -72,8 +72,12 @@ class SeqInput:
 class ModelRunner:
     """Runs one model over many sequences at once, reusing each sequence's cached prefix."""
 
-    def __init__(self, model: PreTrainedModel, tokenizer, *, max_cache_bytes: int = 1 << 30, pack: bool = False):
+    def __init__(self, model: PreTrainedModel, tokenizer, *, max_cache_bytes: int = 1 << 30, pack: bool = False,
+                 max_forward_tokens: int = 2048):
         self.model = model
+        # positions one forward computes at most (what the memory model sized working buffers for): a
+        # context with more uncached positions is prefilled in chunks first (prefill())
+        self.max_forward_tokens = max_forward_tokens
         self.tokenizer = tokenizer
         self.device = next(model.parameters()).device
         # embedding rows past the tokenizer's vocabulary are padding: never sampled, sliced off
@@ -94,6 +98,28 @@ class ModelRunner:
         if self.ragged:
             model.config._attn_implementation = RAGGED
 
+    def kv_shape(self) -> tuple[int, int, int]:
+        """(layers, kv heads, head dim) of the model's KV cache, from its config."""
+        cfg = self.model.config
+        text = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
+        heads = getattr(text, "num_key_value_heads", None) or text.num_attention_heads
+        head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+        shards = getattr(self.model, "tp_size", None) or 1  # a tensor-parallel rank holds its share of the heads
+        return text.num_hidden_layers, heads // shards, head_dim
+
+    def pool(self):
+        """The KV block pool (app/kv.py), made at the budget's size on first use."""
+        return self.cache.configure(*self.kv_shape(), self.model.dtype, self.device)
+
+    def kv_block_bytes(self) -> int:
+        """Bytes one block of KV_BLOCK positions takes across every layer."""
+        layers, heads, head_dim = self.kv_shape()
+        return 2 * layers * heads * BLOCK_SIZE * head_dim * torch.finfo(self.model.dtype).bits // 8
+
+    def capacity_tokens(self) -> int:
+        """The most positions one sequence can hold: the whole KV budget."""
+        return self.cache.capacity_tokens(self.kv_block_bytes())
+
     @classmethod
     def from_pretrained(cls, name_or_path: str, *, dtype: str = "float32", device: str = "cpu",
                         max_cache_bytes: int = 1 << 30, trust_remote_code: bool = False) -> "ModelRunner":
@@ -107,6 +133,29 @@ class ModelRunner:
         logits = batch.logits
         batch.close([len(s.token_ids) for s in seqs])
         return logits
+
+    @torch.inference_mode()
+    def prefill(self, seqs: list[SeqInput], budget: int | None = None) -> int:
+        """Compute the sequences' uncached contexts in forwards of at most `budget` positions (default
+        max_forward_tokens) until what is left of them all fits one such forward, so the caller's own
+        forward stays within it: a long prompt new to the draft, or a sequence whose KV was evicted.
+        Returns the forwards run."""
+        budget = budget or self.max_forward_tokens
+        for forwards in range(1 << 16):  # bounded: each forward computes at least one position
+            chunk, left, total = [], budget, 0
+            for s in seqs:
+                entry = self.cache.get(s.seq_id)
+                limit = len(s.token_ids) - s.num_logits
+                done = min(common_prefix(entry.token_ids, s.token_ids), limit) if entry else 0
+                total += len(s.token_ids) - done
+                end = min(limit, done + left)
+                if end > done and left > 0 and all(c.seq_id != s.seq_id for c in chunk):
+                    chunk.append(SeqInput(s.seq_id, s.token_ids[:end], 1, s.salt))
+                    left -= end - done
+            if total <= budget or not chunk:
+                return forwards
+            self.forward(chunk)
+        return forwards
 
     @torch.inference_mode()
     def open(self, seqs: list[SeqInput]) -> "RaggedBatch | Batch":
@@ -128,43 +177,59 @@ class ModelRunner:
 class RaggedBatch:
     """A batch in flight as one packed row (app/ragged.py): no padding, no gather, no write-back.
 
-    Each sequence computes in its own cache slab; positions it no longer needs are forgotten at
-    close(). A second row of the same sequence in one batch (its proposal and one drafted ahead)
-    computes in a copy of the shared prefix.
+    Each sequence computes in its own blocks of the pool; positions it no longer needs are a length
+    change at close(). A second row of the same sequence in one batch (its proposal and one drafted
+    ahead) computes in a table of its own that shares the first row's whole blocks.
     """
 
     def __init__(self, runner: ModelRunner, seqs: list[SeqInput]):
         self.runner = runner
+        store = runner.cache
+        self.pool = runner.pool()
         self.seq_ids = [s.seq_id for s in seqs]
         self.salts = [s.salt for s in seqs]
         self.token_ids = [list(s.token_ids) for s in seqs]
+        self.protect = frozenset(self.seq_ids)
         self.entries: list[SequenceCache] = []
+        self.owned: list[bool] = []  # entries not in the store (borrowed, new, second rows): freed if unused
         spans, ids, offset, used = [], [], 0, set()
-        for s in seqs:
-            if not 1 <= s.num_logits <= len(s.token_ids):
-                raise ValueError(f"num_logits must be in [1, {len(s.token_ids)}], got {s.num_logits}")
-            limit = len(s.token_ids) - s.num_logits
-            entry = runner.cache.get(s.seq_id)
-            borrowed = entry is None and runner.cache.borrow(s.token_ids, limit, s.salt)
-            entry = borrowed or entry
-            reuse = min(common_prefix(entry.token_ids, s.token_ids), limit) if entry else 0
-            if entry is None:
-                entry = SequenceCache([], [])
-            elif s.seq_id in used and not borrowed:
-                entry = entry.copy_prefix(reuse)
-            entry.token_ids = entry.token_ids[:reuse]  # forgotten now: a failed forward leaves it valid
-            used.add(s.seq_id)
-            n = len(s.token_ids) - reuse
-            spans.append(Span(entry, reuse, n, offset))
-            ids += s.token_ids[reuse:]
-            offset += n
-            self.entries.append(entry)
-        self.lengths = [s.start + s.length for s in spans]  # positions each slab holds after this forward
-        self.reuse = [s.start for s in spans]  # positions each sequence reused from its cache
-        self.recomputed = offset
-        keep = [sp.offset + sp.length - s.num_logits + j for sp, s in zip(spans, seqs) for j in range(s.num_logits)]
-        out = self._run(ids, [p for sp in spans for p in range(sp.start, sp.start + sp.length)], Layout(spans), keep)
+        try:
+            for s in seqs:
+                if not 1 <= s.num_logits <= len(s.token_ids):
+                    raise ValueError(f"num_logits must be in [1, {len(s.token_ids)}], got {s.num_logits}")
+                limit = len(s.token_ids) - s.num_logits
+                entry = store.get(s.seq_id)
+                owned = entry is None or s.seq_id in used
+                if entry is None:
+                    entry = store.borrow(s.token_ids, limit, s.salt, self.protect) or SequenceCache([])
+                reuse = min(common_prefix(entry.token_ids, s.token_ids), limit)
+                if s.seq_id in used:  # a second row: the first row's whole blocks, shared
+                    entry = store.borrow_own(entry, reuse)
+                    reuse = len(entry.token_ids)
+                entry.token_ids = entry.token_ids[:reuse]  # forgotten now: a failed forward leaves it valid
+                self.entries.append(entry)
+                self.owned.append(owned)
+                store.reserve(entry, reuse, len(s.token_ids), self.protect)
+                used.add(s.seq_id)
+                n = len(s.token_ids) - reuse
+                spans.append(Span(entry, reuse, n, offset))
+                ids += s.token_ids[reuse:]
+                offset += n
+            self.lengths = [s.start + s.length for s in spans]  # positions each table holds after this forward
+            self.reuse = [s.start for s in spans]  # positions each sequence reused from its cache
+            self.recomputed = offset
+            keep = [sp.offset + sp.length - s.num_logits + j for sp, s in zip(spans, seqs) for j in range(s.num_logits)]
+            out = self._run(ids, [p for sp in spans for p in range(sp.start, sp.start + sp.length)],
+                            Layout(spans, self.pool), keep)
+        except BaseException:
+            self._free_owned()
+            raise
         self.logits = list(out.split([s.num_logits for s in seqs]))
+
+    def _free_owned(self) -> None:
+        for entry, owned in zip(self.entries, self.owned):
+            if owned:
+                self.runner.cache.free(entry)
 
     def _run(self, ids: list[int], positions: list[int], layout: Layout, keep: list[int]) -> torch.Tensor:
         """One forward of the packed row; returns the logits at `keep` (flat indices), [len(keep), V] float32."""
@@ -181,25 +246,31 @@ class RaggedBatch:
     @torch.inference_mode()
     def extend(self, tokens: list[int]) -> torch.Tensor:
         """Feed one more token per row; returns next-token logits [B, V] float32."""
+        store = self.runner.cache
+        for entry, n in zip(self.entries, self.lengths):
+            store.reserve(entry, n, n + 1, self.protect)
         spans = [Span(e, n, 1, i) for i, (e, n) in enumerate(zip(self.entries, self.lengths))]
         for ids, t in zip(self.token_ids, tokens):
             ids.append(t)
-        out = self._run(tokens, self.lengths, Layout(spans), list(range(len(tokens))))
+        out = self._run(tokens, self.lengths, Layout(spans, self.pool), list(range(len(tokens))))
         self.lengths = [n + 1 for n in self.lengths]
         return out
 
     @torch.inference_mode()
     def close(self, keep: list[int]) -> None:
-        """Store each row's first keep[i] positions as its cache (later positions are rolled back)."""
+        """Store each row's first keep[i] positions as its cache (later positions are rolled back: a
+        length change). A sequence's last row is the one stored."""
         store = self.runner.cache
-        for seq_id, ids, entry, n, length, salt in zip(self.seq_ids, self.token_ids, self.entries, keep, self.lengths,
-                                                       self.salts):
+        rows = zip(self.seq_ids, self.token_ids, self.entries, keep, self.lengths, self.salts, self.reuse, self.owned)
+        for seq_id, ids, entry, n, length, salt, reuse, owned in rows:
             n = min(n, length)
             if n <= 0:
+                if owned:
+                    store.free(entry)
                 store.drop(seq_id)
                 continue
             entry.token_ids = ids[:n]
-            store.put(seq_id, entry, salt)
+            store.put(seq_id, entry, salt, unchanged=0 if owned else reuse)
 
 
 ROOM = 8  # spare positions a batch buffer gets beyond its prefill: the draft's extend() steps fill them
@@ -255,25 +326,38 @@ class Batch:
     Layout of row i in the KV axis: [left pad | reused prefix | new tokens | right pad | extended...];
     pads are masked out and positions are explicit, so every row sees exactly its own sequence.
     When no row needs padding (always at batch 1) the mask is dropped: the model's causal fast path.
-    A batch of one computes in its sequence's own slab, copying nothing; a larger batch copies each
-    reused prefix in once, and close() writes back only the positions this batch computed.
+    The models that take this path (sliding windows, soft-capping: app.ragged.supports_ragged) read
+    their reused prefixes from the block pool into the batch buffer once, and close() writes back
+    only the positions this batch computed.
     """
 
     def __init__(self, runner: ModelRunner, seqs: list[SeqInput]):
         self.runner = runner
+        store = runner.cache
         self.seq_ids = [s.seq_id for s in seqs]
         self.salts = [s.salt for s in seqs]
         self.token_ids = [list(s.token_ids) for s in seqs]
+        self.protect = frozenset(self.seq_ids)
         device = runner.device
-        reuse, entries = [], []
-        for s in seqs:
-            if not 1 <= s.num_logits <= len(s.token_ids):
-                raise ValueError(f"num_logits must be in [1, {len(s.token_ids)}], got {s.num_logits}")
-            entry = runner.cache.get(s.seq_id) or runner.cache.borrow(s.token_ids, len(s.token_ids) - s.num_logits,
-                                                                      s.salt)
-            m = common_prefix(entry.token_ids, s.token_ids) if entry else 0
-            reuse.append(min(m, len(s.token_ids) - s.num_logits))
-            entries.append(entry)
+        reuse, entries, owned = [], [], []
+        try:
+            for s in seqs:
+                if not 1 <= s.num_logits <= len(s.token_ids):
+                    raise ValueError(f"num_logits must be in [1, {len(s.token_ids)}], got {s.num_logits}")
+                entry = store.get(s.seq_id)
+                owned.append(entry is None)
+                if entry is None:
+                    runner.pool()
+                    entry = store.borrow(s.token_ids, len(s.token_ids) - s.num_logits, s.salt, self.protect)
+                m = common_prefix(entry.token_ids, s.token_ids) if entry else 0
+                reuse.append(min(m, len(s.token_ids) - s.num_logits))
+                entries.append(entry)
+        except BaseException:
+            for e, o in zip(entries, owned):
+                if o and e is not None:
+                    store.free(e)
+            raise
+        self.owned = owned
         new = [s.token_ids[r:] for s, r in zip(seqs, reuse)]
         b, past, width = len(seqs), max(reuse), max(len(n) for n in new)
 
@@ -284,49 +368,48 @@ class Batch:
             mask[i, past - r : past + len(n)] = 1
         positions = torch.tensor(reuse).unsqueeze(1) + torch.arange(width)  # [B, W]
         self.entries, self.reuse, self.new_lengths, self.past, self.width = entries, reuse, [len(n) for n in new], past, width
-        self.in_place = b == 1 and past > 0
-        if self.in_place:
-            # the row's own slab is the batch buffer: positions past the reused prefix are overwritten,
-            # so the stored entry forgets them now (an exception mid-forward leaves it valid)
-            entries[0].token_ids = entries[0].token_ids[:past]
-        self.cache = Cache(layers=self._gather(entries, reuse, past, width)) if past else Cache(
-            layer_class_to_replicate=_SlabLayer)
-        self.aligned = bool(mask.all())
-        self.mask = mask.to(device)
-        self.lengths = [r + len(n) for r, n in zip(reuse, new)]
-        self.recomputed = sum(len(n) for n in new)
-        v = runner.vocab_size
-        keep = None
-        if runner.ragged_logits:  # [B, W] True where a row needs a logit: its last num_logits new positions
-            keep = torch.zeros(b, width, dtype=torch.bool)
-            for i, (n, s) in enumerate(zip(new, seqs)):
-                keep[i, len(n) - s.num_logits : len(n)] = True
-            keep = keep.to(device)
-        out = self._run(input_ids.to(device), positions.to(device), torch.arange(past, past + width, device=device),
-                        keep)
+        try:
+            self.cache = Cache(layers=self._gather(entries, reuse, past, width)) if past else Cache(
+                layer_class_to_replicate=_SlabLayer)
+            self.aligned = bool(mask.all())
+            self.mask = mask.to(device)
+            self.lengths = [r + len(n) for r, n in zip(reuse, new)]
+            self.recomputed = sum(len(n) for n in new)
+            v = runner.vocab_size
+            keep = None
+            if runner.ragged_logits:  # [B, W] True where a row needs a logit: its last num_logits new positions
+                keep = torch.zeros(b, width, dtype=torch.bool)
+                for i, (n, s) in enumerate(zip(new, seqs)):
+                    keep[i, len(n) - s.num_logits : len(n)] = True
+                keep = keep.to(device)
+            out = self._run(input_ids.to(device), positions.to(device), torch.arange(past, past + width, device=device),
+                            keep)
+        except BaseException:
+            self._free_owned()
+            raise
         if keep is not None:  # out: [sum(num_logits), V], row-major
             self.logits = list(out[:, :v].float().split([s.num_logits for s in seqs]))
         else:
             self.logits = [out[i, len(n) - s.num_logits : len(n), :v].float() for i, (n, s) in enumerate(zip(new, seqs))]
 
+    def _free_owned(self) -> None:
+        for entry, owned in zip(self.entries, self.owned):
+            if owned and entry is not None:
+                self.runner.cache.free(entry)
+
     def _gather(self, entries, reuse: list[int], past: int, width: int) -> list[_SlabLayer]:
         """Per layer a buffer [B, H, past + width + ROOM, D] with each reused prefix left-padded to `past`."""
-        ref = next(e for e, r in zip(entries, reuse) if r)
-        if self.in_place:
-            return [_SlabLayer(k.unsqueeze(0), v.unsqueeze(0), past) for k, v in ref.slabs]
+        pool = self.runner.pool()
         cap = past + width + ROOM
+        rows = [(i, torch.tensor(e.slots(0, r), device=self.runner.device)) for i, (e, r) in enumerate(zip(entries, reuse))
+                if r]
         layers = []
-        for layer in range(len(ref.slabs)):
-            k0, v0 = ref.slabs[layer]
-            keys = k0.new_empty(len(entries), k0.shape[0], cap, k0.shape[2])
-            values = v0.new_empty(len(entries), v0.shape[0], cap, v0.shape[2])
-            for i, (e, r) in enumerate(zip(entries, reuse)):
-                pad = past - r
-                keys[i, :, :pad] = 0  # masked out, but must be finite: 0 x NaN would poison the softmax
-                values[i, :, :pad] = 0
-                if r:
-                    keys[i, :, pad:past] = e.slabs[layer][0][:, :r]
-                    values[i, :, pad:past] = e.slabs[layer][1][:, :r]
+        for layer, (pk, pv) in enumerate(zip(pool.keys, pool.values)):
+            keys = pk.new_zeros(len(entries), pk.shape[0], cap, pk.shape[2])  # pads masked out, but finite
+            values = pv.new_zeros(len(entries), pv.shape[0], cap, pv.shape[2])
+            for i, slots in rows:
+                keys[i, :, past - len(slots) : past] = pk.index_select(1, slots)
+                values[i, :, past - len(slots) : past] = pv.index_select(1, slots)
             layers.append(_SlabLayer(keys, values, past))
         return layers
 
@@ -355,41 +438,37 @@ class Batch:
     @torch.inference_mode()
     def close(self, keep: list[int]) -> None:
         """Store each row's first keep[i] positions as its cache (later positions are rolled back)."""
-        store = self.runner.cache
+        store, pool = self.runner.cache, self.runner.pool()
         buffers = [layer.buffers for layer in self.cache.layers]
         extended = self.mask.shape[1] - self.past - self.width  # extend() steps taken
-        stored = set()  # a sequence may fill two rows (a proposal and one drafted ahead): one slab each
+        stored = set()  # a sequence may fill two rows (a proposal and one drafted ahead): the last is kept
         for i, (seq_id, ids, n, salt) in enumerate(zip(self.seq_ids, self.token_ids, keep, self.salts)):
             n = min(n, self.lengths[i])
+            r, w, entry = self.reuse[i], self.new_lengths[i], self.entries[i]
             if n <= 0:
+                if self.owned[i] and entry is not None:
+                    store.free(entry)
                 store.drop(seq_id)
                 continue
-            if self.in_place or (len(self.seq_ids) == 1 and self.past == 0):  # the buffer is this row's alone
-                store.put(seq_id, SequenceCache(ids[:n], [(k[0], v[0]) for k, v in buffers]), salt)
-                continue
-            r, w = self.reuse[i], self.new_lengths[i]
-            entry = self.entries[i]
-            if entry is None or store.get(seq_id) is not entry or r == 0 or seq_id in stored:
-                # no slab to extend (new, evicted or released meanwhile): a fresh one, prefix included
-                entry = self._fresh_entry(buffers, n)
-                segments = [(0, self.past - r, min(n, r))] if r else []
-            else:
-                entry.token_ids = entry.token_ids[:r]
-                entry.reserve(n)
-                segments = []
             # (first position, first column, positions) of what this batch computed for the row
-            segments += [(r, self.past, min(w, n - r)), (r + w, self.past + self.width, min(extended, n - r - w))]
-            for (k, v), (ks, vs) in zip(buffers, entry.slabs):
-                for pos, col, count in segments:
-                    if count > 0:
-                        ks[:, pos : pos + count] = k[i, :, col : col + count]
-                        vs[:, pos : pos + count] = v[i, :, col : col + count]
+            segments = [(r, self.past, min(w, n - r)), (r + w, self.past + self.width, min(extended, n - r - w))]
+            if entry is None or seq_id in stored or (not self.owned[i] and store.get(seq_id) is not entry):
+                # no table to extend (new, or evicted or released meanwhile): a fresh one, prefix included
+                if self.owned[i] and entry is not None:
+                    store.free(entry)
+                entry = SequenceCache([])
+                segments.insert(0, (0, self.past - r, min(n, r)))
+            entry.token_ids = entry.token_ids[: r if entry.blocks else 0]
+            unchanged = len(entry.token_ids) if not self.owned[i] else 0
+            store.reserve(entry, len(entry.token_ids), n, self.protect)
+            positions = [p for pos, _, count in segments for p in range(pos, pos + max(count, 0))]
+            if positions:  # positions [len(entry), n), in order
+                columns = [c for _, col, count in segments for c in range(col, col + max(count, 0))]
+                slots = torch.tensor(entry.slots(positions[0], positions[-1] + 1), device=self.runner.device)
+                columns = torch.tensor(columns, device=self.runner.device)
+                for (k, v), pk, pv in zip(buffers, pool.keys, pool.values):
+                    pk.index_copy_(1, slots, k[i].index_select(1, columns))
+                    pv.index_copy_(1, slots, v[i].index_select(1, columns))
             entry.token_ids = ids[:n]
-            store.put(seq_id, entry, salt)
+            store.put(seq_id, entry, salt, unchanged)
             stored.add(seq_id)
-
-    @staticmethod
-    def _fresh_entry(buffers, n: int) -> SequenceCache:
-        cap = grown_capacity(n)
-        return SequenceCache([], [(k.new_empty(k.shape[1], cap, k.shape[3]), v.new_empty(v.shape[1], cap, v.shape[3]))
-                                  for k, v in buffers])

@@ -180,7 +180,9 @@ def propose(runner: ModelRunner, items: list[ProposeItem], top_n: int = 32) -> l
     if not live:
         return out
     batch_items = [items[i] for i in live]
-    batch = runner.open([SeqInput(it.seq_id, it.token_ids, 1, it.sampling.cache_salt) for it in batch_items])
+    inputs = [SeqInput(it.seq_id, it.token_ids, 1, it.sampling.cache_salt) for it in batch_items]
+    runner.prefill(inputs)  # a long context new to the draft: in chunks, within the forward's token budget
+    batch = runner.open(inputs)
     logits = torch.stack([lg[-1] for lg in batch.logits])
     positions = torch.tensor([len(it.token_ids) for it in batch_items], device=logits.device)
     drafted = [it.k + it.guess for it in batch_items]  # the guess is one more draft step
@@ -211,10 +213,11 @@ def verify(runner: ModelRunner, items: list[VerifyItem]) -> list[Verdict]:
     (a scored chunk: the logprobs of its tokens)."""
     rounds = [it for it in items if not it.prefill]
     chunks = [it for it in items if it.prefill]
-    batch = runner.open([SeqInput(it.seq_id, it.token_ids + it.proposal.tokens, len(it.proposal.tokens) + 1,
-                                  it.sampling.cache_salt) for it in rounds]
-                        + [SeqInput(it.seq_id, it.token_ids, _scored_rows(it), it.sampling.cache_salt)
-                           for it in chunks])
+    round_inputs = [SeqInput(it.seq_id, it.token_ids + it.proposal.tokens, len(it.proposal.tokens) + 1,
+                             it.sampling.cache_salt) for it in rounds]
+    runner.prefill(round_inputs)  # a context whose KV was evicted: recomputed in chunks, within the budget
+    batch = runner.open(round_inputs + [SeqInput(it.seq_id, it.token_ids, _scored_rows(it), it.sampling.cache_salt)
+                                        for it in chunks])
     kept_chunks = [len(it.token_ids) for it in chunks]
     scored = iter([_prompt_logprobs(lg, it) for lg, it in zip(batch.logits[len(rounds):], chunks)])
     if rounds:

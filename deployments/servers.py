@@ -155,7 +155,7 @@ class TargetServer(_Server):
             self.runner = load_runner(cfg, path, batch.max_batch_tokens)
             tokenizer, vocab, eos = self.runner.tokenizer, self.runner.vocab_size, self.runner.eos_ids
             forward, release = in_thread(functools.partial(verify, self.runner)), self._release
-            forget = self.runner.forget
+            forget, kv_capacity = self.runner.forget, self.runner.capacity_tokens()
         else:
             from transformers import AutoTokenizer
 
@@ -165,6 +165,7 @@ class TargetServer(_Server):
             vocab = len(tokenizer)
             eos = eos_ids(load_generation_config(path, cfg.trust_remote_code), tokenizer)
             forward, release, forget = self.ranks.verify, self._release_ranks, self.ranks.forget
+            kv_capacity = self.ranks.capacity_tokens
         self.queue = self._queue(forward, release, batch, "TargetServer.verify", forget,
                                  max_tokens=batch.max_batch_tokens, cost=verify_tokens)
         self.round_metrics = RoundMetrics()
@@ -178,7 +179,7 @@ class TargetServer(_Server):
         self.engine = Engine(self.queue, DraftClient(draft, max_batch=None) if draft is not None else None,
                              tokenizer=tokenizer, vocab_size=vocab, max_context=max_context,
                              k_max=speculation.k_max, policy=policy, verify_cost=self._verify_cost,
-                             prefill_chunk=batch.prefill_chunk_tokens, eos_ids=eos)
+                             prefill_chunk=batch.prefill_chunk_tokens, eos_ids=eos, kv_capacity=kv_capacity)
 
     @staticmethod
     async def _connect(draft) -> None:

@@ -20,7 +20,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from app.errors import ReplicaFault, is_fault
-from app.memory import size_kv_budget
+from app.memory import agree_on_budget, size_kv_budget
 from app.runner import ModelRunner, weights_dtype
 from app.spec import Verdict, VerifyItem, verify
 from deployments.config import ModelConfig, TargetConfig
@@ -103,6 +103,7 @@ class RankWorker:
         self.runner = ModelRunner(model.eval(), tokenizer)
         # this rank's shard on this rank's device
         size_kv_budget(self.runner, cfg.memory_utilization, cfg.max_cache_bytes, forward_tokens)
+        agree_on_budget(self.runner)  # ranks evicting differently would hang on mismatched collectives
         self.rank = rank
 
     def verify(self, items: list[VerifyItem]) -> tuple[list[Verdict], CacheSnapshot]:
@@ -119,6 +120,10 @@ class RankWorker:
 
     def ping(self) -> int:
         return self.rank
+
+    def capacity_tokens(self) -> int:
+        """The most positions one sequence can hold (the same on every rank: the budget is agreed)."""
+        return self.runner.capacity_tokens()
 
 
 def _free_port() -> int:
@@ -153,6 +158,7 @@ class RankGroup:
         self.failed: str | None = None
         self.cache = CacheSnapshot()  # rank 0's, as of its last answer
         ray.get([r.ping.remote() for r in self.ranks], timeout=600)  # all loaded (or raise now)
+        self.capacity_tokens = ray.get(self.ranks[0].capacity_tokens.remote(), timeout=60)
 
     async def _all(self, method: str, *args):
         """Call every rank; rank 0's result. A dead or hung rank fails the whole replica."""

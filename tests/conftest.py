@@ -82,3 +82,24 @@ def model_dirs(tmp_path_factory, target_model, tokenizer):
         tokenizer.save_pretrained(root / name)
         paths[name] = str(root / name)
     return paths
+
+
+def kv_store(blocks: int, on_drop=lambda seq_id: None):
+    """A KV store over a pool of `blocks` blocks of one layer, one head of width 2 (for the store's own tests)."""
+    from app.kv import KVStore
+
+    probe = KVStore(1 << 30)
+    probe.configure(1, 1, 2, torch.float32, torch.device("cpu"))
+    store = KVStore(blocks * probe.block_bytes, on_drop=on_drop)
+    store.configure(1, 1, 2, torch.float32, torch.device("cpu"))
+    return store
+
+
+def put_ids(store, seq_id: str, ids, salt: str | None = None):
+    """Store a sequence of these token ids (its KV left unwritten: the store's bookkeeping alone)."""
+    from app.kv import SequenceCache
+
+    entry = SequenceCache(list(ids))
+    store.reserve(entry, 0, len(entry), frozenset({seq_id}))
+    store.put(seq_id, entry, salt)
+    return entry

@@ -4,10 +4,10 @@ so time to first token tells a client nothing of another's prompts; output is th
 import torch
 
 from app.engine import Engine
-from app.kv import PREFIX_BLOCK, KVStore, SequenceCache, block_keys
+from app.kv import PREFIX_BLOCK, block_keys
 from app.params import SamplingParams
 from app.runner import ModelRunner, SeqInput
-from conftest import blend
+from conftest import blend, kv_store, put_ids
 
 ATOL = 1e-4
 
@@ -34,10 +34,9 @@ def test_a_sequence_borrows_only_under_its_own_salt(target_model, tokenizer):
 
 def test_the_index_confirms_the_salt():
     """A salted key that collided with another scope's would still not lend it: the salt is checked."""
-    store = KVStore(1 << 20)
-    slab = [(torch.zeros(1, 64, 2), torch.zeros(1, 64, 2))]
+    store = kv_store(16)
     ids = list(range(2 * PREFIX_BLOCK))
-    store.put("a", SequenceCache(list(ids), slab), "s")
+    put_ids(store, "a", ids, "s")
     assert store.borrow(ids, len(ids)) is None and store.borrow(ids, len(ids), "t") is None
     assert len(store.borrow(ids, len(ids), "s")) == len(ids)
     for _, key in block_keys(ids):

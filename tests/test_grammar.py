@@ -17,11 +17,10 @@ import app.spec as spec
 from app.engine import Engine
 from app.errors import InvalidRequestError
 from app.grammar import Grammars, grammar_of
-from app.kv import KVStore, SequenceCache
 from app.logits import LogitRules
 from app.params import parse_sampling
 from app.runner import ModelRunner
-from conftest import blend, make_byte_tokenizer, make_model
+from conftest import blend, kv_store, make_byte_tokenizer, make_model, put_ids
 
 SCHEMA = {"type": "object", "properties": {"ok": {"type": "boolean"}, "kind": {"enum": ["ab", "cab", "b"]},
                                            "tags": {"type": "array", "items": {"enum": ["x", "yy"]}, "maxItems": 3}},
@@ -166,13 +165,12 @@ def test_a_sequence_evicted_from_the_kv_budget_loses_its_matcher(byte_tokenizer,
     assert not runner.grammars._matchers
 
     dropped = []
-    slab = [(torch.zeros(1, 16, 2), torch.zeros(1, 16, 2))]
-    store = KVStore(3 * SequenceCache([], slab).nbytes, on_drop=dropped.append)  # room for three entries
+    store = kv_store(3, on_drop=dropped.append)  # room for three entries of one block
     for seq in "abc":
-        store.put(seq, SequenceCache([1, 2], list(slab)))
+        put_ids(store, seq, [1, 2])
     store.retire("b")
-    store.put("d", SequenceCache([1, 2], list(slab)))  # the retired donor goes first
-    store.put("e", SequenceCache([1, 2], list(slab)))  # then the least recently used live one
+    put_ids(store, "d", [1, 2])  # the retired donor goes first
+    put_ids(store, "e", [1, 2])  # then the least recently used live one
     store.drop("d")
     assert dropped == ["b", "a", "d"]
 

@@ -3,6 +3,8 @@
 import pytest
 import torch
 
+from app.kv import OutOfBlocks
+from conftest import kv_store, put_ids
 from app.runner import ModelRunner, SeqInput
 
 ATOL = 1e-4
@@ -51,7 +53,8 @@ def test_rollback_after_divergence(target_runner, target_model):
     torch.testing.assert_close(batch.logits[0], fresh_logits(target_model, diverged, 4), atol=ATOL, rtol=0)
     batch.close([20])  # keep only 20 positions
     assert target_runner.cache.get("a").token_ids == diverged[:20]
-    assert target_runner.cache.get("a").layers[0][0].shape[1] == 20
+    entry = target_runner.cache.get("a")
+    assert target_runner.cache.read(entry, 0)[0].shape[1] == 20 and entry.capacity >= 20  # a length change
 
 
 def test_extend_decodes_like_a_fresh_forward(target_runner, target_model):
@@ -67,17 +70,31 @@ def test_extend_decodes_like_a_fresh_forward(target_runner, target_model):
 
 
 def test_eviction_under_tiny_budget_keeps_logits(target_model, tokenizer):
+    """A budget that holds one batch's sequences but not every sequence: each batch evicts the least
+    recently used others, which are recomputed when they come back, and every logit stays exact."""
     big = ModelRunner(target_model, tokenizer)
-    tiny = ModelRunner(target_model, tokenizer, max_cache_bytes=40_000)
+    budget = 10 * big.kv_block_bytes()  # ten blocks; a pair of these sequences takes at most eight
+    tiny = ModelRunner(target_model, tokenizer, max_cache_bytes=budget)
     seqs = [random_ids(10 + i, 30) for i in range(4)]
-    for round_ in range(3):
-        grown = [s + random_ids(100 + round_, 2) for s in seqs]
-        batch = [SeqInput(str(i), g, 2) for i, g in enumerate(grown)]
+    for round_, pair in enumerate([(0, 1), (2, 3), (0, 2), (1, 3), (0, 1)]):
+        for i in pair:
+            seqs[i] = seqs[i] + random_ids(100 + round_, 2)
+        batch = [SeqInput(str(i), seqs[i], 2) for i in pair]
         for x, y in zip(big.forward(batch), tiny.forward(batch)):
             torch.testing.assert_close(x, y, atol=ATOL, rtol=0)
-        seqs = grown
-        assert tiny.cache.nbytes <= 40_000
+        assert tiny.cache.nbytes <= budget
     assert tiny.cache.evictions > 0
+
+
+def test_a_batch_larger_than_the_budget_fails_and_gives_every_block_back(target_model, tokenizer):
+    runner = ModelRunner(target_model, tokenizer, max_cache_bytes=4 * ModelRunner(target_model, tokenizer).kv_block_bytes())
+    runner.forward([SeqInput("a", random_ids(1, 20))])
+    runner.release("a")  # a donor: its blocks are shared by the borrower below
+    with pytest.raises(OutOfBlocks):
+        runner.forward([SeqInput("b", random_ids(1, 20) + random_ids(2, 30)), SeqInput("c", random_ids(3, 30))])
+    # what the failed forward took is back: only the stored sequences hold blocks
+    store = runner.cache
+    assert store.nbytes == sum(store.entry_bytes(store.get(s)) for s in list(store._entries))
 
 
 def test_release_retires_the_cache_and_its_room_goes_first(target_model, tokenizer):
@@ -85,7 +102,7 @@ def test_release_retires_the_cache_and_its_room_goes_first(target_model, tokeniz
     runner.forward([SeqInput("a", random_ids(8, 40)), SeqInput("b", random_ids(9, 40))])
     runner.release("a")
     assert "a" not in runner.cache and len(runner.cache) == 1  # not live: only a prefix donor
-    one = runner.cache.get("b").nbytes
+    one = runner.cache.entry_bytes(runner.cache.get("b"))
     runner.cache.max_bytes = 2 * one  # room for two: the next sequence must evict one
     runner.forward([SeqInput("c", random_ids(10, 40))])
     assert runner.cache.evictions == 1 and runner.cache.get("b") is not None  # the retired one went, not b
@@ -125,17 +142,21 @@ def test_prefix_donor_in_the_same_batch_and_short_matches(target_runner, target_
 
 
 def test_prefix_index_is_confirmed_on_tokens():
-    from app.kv import PREFIX_BLOCK, KVStore, SequenceCache
+    from app.kv import PREFIX_BLOCK
 
-    store = KVStore(1 << 20)
-    slab = [(torch.zeros(1, 64, 2), torch.zeros(1, 64, 2))]
+    store = kv_store(64)
     ids = list(range(2 * PREFIX_BLOCK + 3))
-    store.put("a", SequenceCache(list(ids), slab))
-    assert len(store.borrow(ids + [7], limit=len(ids))) == len(ids)
-    assert len(store.borrow(ids, limit=PREFIX_BLOCK + 1)) == PREFIX_BLOCK + 1  # never past the limit
+    a = put_ids(store, "a", ids)
+    borrowed = store.borrow(ids + [7], limit=len(ids))
+    assert len(borrowed) == len(ids)
+    # by reference: the donor's two whole blocks, and a copy of the block the shared part ends in
+    assert borrowed.blocks[:2] == a.blocks[:2] and borrowed.blocks[2] != a.blocks[2]
+    store.free(borrowed)
+    store.free(short := store.borrow(ids, limit=PREFIX_BLOCK + 1))
+    assert len(short) == PREFIX_BLOCK + 1  # never past the limit
     store.get("a").token_ids[5] = -1  # the entry changed without a put: the stale index must not be trusted
     assert store.borrow(ids, limit=len(ids)) is None
-    store.put("a", SequenceCache(ids[:PREFIX_BLOCK + 4] + [99] * 8, slab))  # re-put: blocks past 20 reindexed
+    put_ids(store, "a", ids[:PREFIX_BLOCK + 4] + [99] * 8)  # re-put: blocks past 20 reindexed
     assert len(store.borrow(ids, limit=len(ids))) == PREFIX_BLOCK + 4
     store.drop("a")
     assert store.borrow(ids, limit=len(ids)) is None and not store._index
@@ -169,7 +190,8 @@ def test_rounds_of_changing_batches_keep_every_cache_exact(target_runner, target
             seqs[n] = seqs[n][:k]
             entry = target_runner.cache.get(n)
             assert entry.token_ids == seqs[n] and entry.capacity >= k
-    assert target_runner.cache.nbytes == sum(target_runner.cache.get(n).nbytes for n in seqs)
+    store = target_runner.cache  # no block shared here: the store holds exactly the tables' blocks
+    assert store.nbytes == sum(store.entry_bytes(store.get(n)) for n in seqs)
     for n, ids in seqs.items():  # the stored KV of every position equals a fresh forward's: check via logits
         batch = target_runner.open([SeqInput(n, ids + [5], 1)])
         assert batch.recomputed == 1
@@ -183,9 +205,7 @@ def test_kv_store_mutates_its_maps_only_under_its_lock():
     import threading
     from collections import OrderedDict
 
-    from app.kv import KVStore, SequenceCache
-
-    store = KVStore(max_bytes=6 * 4 * 8 * 32)  # room for a few entries: puts evict
+    store = kv_store(8)  # room for a few entries: puts evict
     changes = []
 
     def guarded(base):
@@ -210,18 +230,15 @@ def test_kv_store_mutates_its_maps_only_under_its_lock():
                 return super().move_to_end(*a)
         return Guarded
 
-    for name in ("_entries", "_retired", "_sizes", "_index", "_keys"):
+    for name in ("_entries", "_retired", "_index", "_keys"):
         old = getattr(store, name)
         setattr(store, name, guarded(OrderedDict if isinstance(old, OrderedDict) else dict)(old))
 
-    def entry(ids):
-        slab = [(torch.zeros(1, 32, 4), torch.zeros(1, 32, 4))]
-        return SequenceCache(list(ids), slab)
-
     def forwards():
         for i in range(200):
-            store.put(f"s{i % 7}", entry(range(i % 5, i % 5 + 20)))
-            store.borrow(list(range(20)), 19)
+            put_ids(store, f"s{i % 7}", range(i % 5, i % 5 + 20))
+            if (borrowed := store.borrow(list(range(20)), 19)) is not None:
+                store.free(borrowed)
 
     def releases():
         for i in range(200):

@@ -1,0 +1,97 @@
+"""How attention should read a paged KV cache on this machine: ms per layer for each way of reading it.
+
+    python -m app.kv_bench [--sequences 16] [--rows 5] [--keys 300] [--heads 4] [--head-dim 64]
+
+A batch of `sequences` sequences with `rows` new query rows each and `keys` to `keys + 7 * sequences`
+cached positions, in blocks of app.kv.BLOCK_SIZE, read four ways: a view of one run of the
+`[heads, slots, dim]` pool (what app/ragged.py does where a table is one run), the same pool
+gathered per sequence (a table in several runs), a `[blocks, heads, 16, dim]` pool gathered per
+sequence, and one padded, masked SDPA call over the batch. fp32 and bf16.
+"""
+
+import argparse
+import time
+
+import torch
+
+from app.kv import BLOCK_SIZE
+
+
+def _time(fn, repeats: int) -> float:
+    for _ in range(3):
+        fn()
+    t0 = time.perf_counter()
+    for _ in range(repeats):
+        fn()
+    return (time.perf_counter() - t0) / repeats * 1e3
+
+
+def layouts(sequences: int, rows: int, keys: int, heads: int, head_dim: int, dtype: torch.dtype) -> dict:
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    gen = torch.Generator().manual_seed(0)
+    lens = [keys + 7 * i + rows for i in range(sequences)]
+    num_blocks = sum(-(-n // BLOCK_SIZE) for n in lens) + 8
+    blocked = torch.randn(num_blocks, heads, BLOCK_SIZE, head_dim, generator=gen).to(dtype)
+    flat = blocked.permute(1, 0, 2, 3).reshape(heads, num_blocks * BLOCK_SIZE, head_dim).contiguous()
+    tables, first = [], 0
+    for n in lens:
+        tables.append(list(range(first, first + -(-n // BLOCK_SIZE))))
+        first += len(tables[-1])
+    shuffled = torch.randperm(num_blocks, generator=gen)  # a fragmented pool: every block somewhere else
+    queries = [torch.randn(1, heads, rows, head_dim, generator=gen).to(dtype) for _ in lens]
+    masks = [torch.arange(n) <= torch.arange(n - rows, n).unsqueeze(1) for n in lens]
+    slots = [torch.cat([shuffled[b] * BLOCK_SIZE + torch.arange(BLOCK_SIZE) for b in t])[:n]
+             for t, n in zip(tables, lens)]
+
+    def view():
+        for q, t, n, m in zip(queries, tables, lens, masks):
+            s = t[0] * BLOCK_SIZE
+            sdpa(q, flat[:, s : s + n].unsqueeze(0), flat[:, s : s + n].unsqueeze(0), attn_mask=m)
+
+    def gather_slots():
+        for q, idx, m in zip(queries, slots, masks):
+            kv = flat.index_select(1, idx).unsqueeze(0)
+            sdpa(q, kv, kv, attn_mask=m)
+
+    def gather_blocks():
+        for q, t, n, m in zip(queries, tables, lens, masks):
+            kv = blocked[shuffled[torch.tensor(t)]].transpose(0, 1).reshape(heads, -1, head_dim)[:, :n].unsqueeze(0)
+            sdpa(q, kv, kv, attn_mask=m)
+
+    width = max(lens)
+    padded_mask = torch.zeros(sequences, 1, rows, width, dtype=torch.bool)
+    for i, (n, m) in enumerate(zip(lens, masks)):
+        padded_mask[i, 0, :, :n] = m
+    padded_slots = torch.stack([torch.nn.functional.pad(s, (0, width - len(s))) for s in slots])
+    batch_q = torch.cat(queries)
+
+    def padded():
+        kv = flat[:, padded_slots].transpose(0, 1)
+        sdpa(batch_q, kv, kv, attn_mask=padded_mask)
+
+    return {"view of one run": view, "gathered from [heads, slots, dim]": gather_slots,
+            "gathered from [blocks, heads, 16, dim]": gather_blocks, "one padded masked call": padded}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--sequences", type=int, default=16)
+    ap.add_argument("--rows", type=int, default=5)
+    ap.add_argument("--keys", type=int, default=300)
+    ap.add_argument("--heads", type=int, default=4)
+    ap.add_argument("--head-dim", type=int, default=64)
+    ap.add_argument("--repeats", type=int, default=50)
+    args = ap.parse_args()
+    results = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        for name, fn in layouts(args.sequences, args.rows, args.keys, args.heads, args.head_dim, dtype).items():
+            results.setdefault(name, {})[str(dtype).removeprefix("torch.")] = _time(fn, args.repeats)
+    print(f"ms per layer, {args.sequences} sequences x {args.rows} rows x {args.keys}+ keys, "
+          f"{args.heads} heads x {args.head_dim}, {torch.get_num_threads()} threads")
+    print("| KV read as | float32 | bfloat16 |\n|---|---|---|")
+    for name, row in results.items():
+        print(f"| {name} | {row['float32']:.2f} | {row['bfloat16']:.2f} |")
+
+
+if __name__ == "__main__":
+    main()

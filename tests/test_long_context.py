@@ -1,0 +1,59 @@
+"""A 16k-token prompt through the draft and the target, in process: chunked on both, within the memory
+model's budget (app/memory.py), measured as the process's peak resident memory in a fresh process."""
+
+import json
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+PROMPT_TOKENS = 16_384
+
+
+@pytest.mark.slow
+def test_a_16k_prompt_stays_within_the_memory_model(tmp_path):
+    script = textwrap.dedent(f"""
+        import json, resource, sys
+        import torch
+        sys.path.insert(0, "tests")
+        from conftest import make_tokenizer
+        from transformers import LlamaConfig, LlamaForCausalLM
+        from app.driver import DraftPolicy
+        from app.engine import Engine
+        from app.memory import working_bytes
+        from app.params import SamplingParams
+        from app.runner import ModelRunner
+
+        torch.manual_seed(0)
+        torch.set_num_threads(2)
+        def model(layers):
+            cfg = LlamaConfig(vocab_size=98, hidden_size=256, intermediate_size=512, num_hidden_layers=layers,
+                              num_attention_heads=4, num_key_value_heads=4, max_position_embeddings={PROMPT_TOKENS + 64},
+                              bos_token_id=0, eos_token_id=1)
+            return LlamaForCausalLM(cfg).eval()
+        tok = make_tokenizer()
+        target, draft = ModelRunner(model(4), tok), ModelRunner(model(1), tok, max_forward_tokens=512)
+        engine = Engine(target, draft, prefill_chunk=512, policy=DraftPolicy(timeout_s=600))
+        prompt = torch.randint(2, 98, ({PROMPT_TOKENS},), generator=torch.Generator().manual_seed(1)).tolist()
+        engine.generate([prompt[:600]], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))  # warm up
+        before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+        out = engine.generate([prompt], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True,
+                                                       speculation={{"num_tokens": 4}}))[0]
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+        model_bytes, kv_bytes = 0, 0
+        for r in (target, draft):
+            kv = r.kv_block_bytes() * -(-({PROMPT_TOKENS} + 16) // 16)
+            kv_bytes += kv
+            work = working_bytes(r.model.config, r.model.dtype, 512 + 8, r.vocab_size, {PROMPT_TOKENS} + 16)  # a chunk + K
+            model_bytes += kv + work
+        print(json.dumps({{"grew": peak - before, "model": model_bytes, "kv": kv_bytes, "emitted": len(out.token_ids),
+                           "drafted": out.speculation["drafted_tokens"]}}))
+    """)
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    figures = json.loads(done.stdout.strip().splitlines()[-1])
+    assert figures["emitted"] == 8 and figures["drafted"] > 0
+    # the process grew by at least the KV it wrote and by no more than the memory model says the two
+    # models' KV and forwards take
+    assert figures["kv"] <= figures["grew"] <= figures["model"], figures
