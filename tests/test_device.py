@@ -101,6 +101,9 @@ class FakeRunner:
         self.batch = FakeBatch(seqs)
         return self.batch
 
+    def prefill(self, seqs, budget=None):
+        return 0  # no cache to fill
+
 
 @pytest.mark.parametrize("with_rules", [False, True])
 @pytest.mark.parametrize("temperature", [0.0, 0.9])
