@@ -42,6 +42,8 @@ from transformers.generation.streamers import BaseStreamer
 from app.controller import CostEstimator, expected_speedup
 from app.engine import Engine
 from app.params import SamplingParams
+from app.spec import Proposal, ProposeItem, VerifyItem, propose, verify
+from app.syncs import SyncCounter
 
 
 @dataclass(frozen=True)
@@ -227,6 +229,25 @@ def measure_costs(engine: Engine, context: int, ks: list[int], steps: int = 20) 
             "target_verify_ms": verify, "c": draft_ms / target_ms}
 
 
+def measure_syncs(engine: Engine, ids: list[list[int]], k: int = 4) -> dict:
+    """Host syncs (app/syncs.py) of one steady round over a batch of the prompts, greedy and sampled:
+    the draft's proposal (k tokens and its guess) and the target's verify of it."""
+    out = {"batch": len(ids), "k": k}
+    for name, params in (("greedy", SamplingParams(temperature=0, max_tokens=k + 1)),
+                         ("sampled", SamplingParams(temperature=0.8, top_p=0.9, max_tokens=k + 1))):
+        asks = [ProposeItem(f"syncs-{name}-{i}", list(p), k, params, seed=i, guess=True) for i, p in enumerate(ids)]
+        propose(engine.draft, asks)  # the contexts cached: what is counted is a steady round
+        verify(engine.target, [VerifyItem(a.seq_id, a.token_ids, Proposal.empty(), params, a.seed) for a in asks])
+        with SyncCounter() as draft:
+            proposals = propose(engine.draft, asks)
+        with SyncCounter() as target:
+            verify(engine.target, [VerifyItem(a.seq_id, a.token_ids, p, params, a.seed) for a, p in zip(asks, proposals)])
+        for a in asks:
+            engine.draft.forget(a.seq_id), engine.target.forget(a.seq_id)
+        out[name] = {"propose": draft.count, "verify": target.count}
+    return out
+
+
 # --- summarising ---------------------------------------------------------------------------
 
 
@@ -334,7 +355,7 @@ def run_bench(engine: Engine, prompts: list[str], prompt_names: list[str], modes
     report = {"config": {"max_tokens": max_tokens, "prompts": len(ids), "modes": modes,
                          "target_dtype": str(engine.target.model.dtype), "draft_dtype": str(engine.draft.model.dtype),
                          "device": str(engine.target.device), "threads": torch.get_num_threads()},
-              "costs": costs, "modes": {}}
+              "costs": costs, "syncs": measure_syncs(engine, ids[:16]), "modes": {}}
     runs_by_mode: dict[str, list[PromptRun]] = {}
     with tqdm(total=len(modes) * (len(ids) + 1), desc="bench", unit="req", disable=not progress,
               dynamic_ncols=True) as bar:
@@ -535,6 +556,10 @@ def bench_cli(args) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 1
     print(format_table(report))
+    syncs = report["syncs"]
+    print(f"host syncs per round (a batch of {syncs['batch']}, K = {syncs['k']} and the guess): " + "; ".join(
+        f"{name}: draft propose {syncs[name]['propose']}, target verify {syncs[name]['verify']}"
+        for name in ("greedy", "sampled")))
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=2))
     if args.plot:

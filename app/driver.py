@@ -138,9 +138,18 @@ class Rounds:
         state, clock = self.state, self.policy.clock
         t_round = time.perf_counter()
         if self.first:
-            self.draft_beside_prefill()
             self.first = False
-            verdict, facts = await self._verify(Proposal.empty(), 0, None, None, t_round, 0.0)
+            # the prefill is queued for the target's next forward before the draft is called, so the
+            # call's own work (serialising the context, a hop to the draft pool) never delays it
+            prefill = asyncio.ensure_future(self._verify(Proposal.empty(), 0, None, None, t_round, 0.0))
+            try:
+                await asyncio.sleep(0)
+                with telemetry.span("draft.beside_prefill"):
+                    self.draft_beside_prefill()
+                verdict, facts = await prefill
+            except BaseException:
+                prefill.cancel()
+                raise
             facts.prompt = True
             return verdict, facts
         wanted = self.controller.choose(*_costs(state, self.costs, self.verify_cost)) if self.propose else 0
@@ -352,14 +361,15 @@ async def run_rounds(
     """
     rounds = Rounds(state, propose, verify, controller, costs, verify_cost, policy, company)
     rounds.cached = cached
-    with telemetry.span("draft.beside_prefill", trace_parent):  # the proposal's spans join the request's trace
-        rounds.draft_beside_prefill()  # the draft's prefill of the prompt runs beside the target's chunks
     score = state.params.prompt_logprobs is not None and not state.output_ids
     try:
         length = len(state.token_ids)
         if prefill_chunk or score:
             step = prefill_chunk or length
             ends = [end for end in range(step, length, step) if end > cached] + ([length] if score else [])
+            if ends:  # the draft's prefill of the prompt runs beside the target's chunks
+                with telemetry.span("draft.beside_prefill", trace_parent):  # its spans join the request's trace
+                    rounds.draft_beside_prefill()
             for start, end in zip([0] + ends, ends):
                 with telemetry.span("prefill.chunk", trace_parent, attributes={"specserve.tokens": end}):
                     done = await verify(VerifyItem(state.request_id, state.token_ids[:end], Proposal.empty(),

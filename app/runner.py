@@ -231,35 +231,41 @@ class RaggedBatch:
             if owned:
                 self.runner.cache.free(entry)
 
-    def _run(self, ids: list[int], positions: list[int], layout: Layout, keep: list[int]) -> torch.Tensor:
-        """One forward of the packed row; returns the logits at `keep` (flat indices), [len(keep), V] float32."""
+    def _run(self, ids: "list[int] | torch.Tensor", positions: list[int], layout: Layout, keep: list[int]) -> torch.Tensor:
+        """One forward of the packed row (ids: a list, or a [1, T] tensor on the device); returns the
+        logits at `keep` (flat indices), [len(keep), V] float32."""
         device, runner = self.runner.device, self.runner
         index = torch.tensor(keep, device=device)
         extra = {"logits_to_keep": index} if runner.ragged_logits else {}
+        input_ids = ids if isinstance(ids, torch.Tensor) else torch.tensor([ids], device=device)
         out = runner.model(
-            input_ids=torch.tensor([ids], device=device), position_ids=torch.tensor([positions], device=device),
+            input_ids=input_ids, position_ids=torch.tensor([positions], device=device),
             past_key_values=layout, attention_mask=torch.empty(1, 1, 0, 0, dtype=torch.bool, device=device),
             use_cache=True, **{LAYOUT: layout}, **extra,
         ).logits[0]
         return (out if runner.ragged_logits else out[index])[:, : runner.vocab_size].float()
 
     @torch.inference_mode()
-    def extend(self, tokens: list[int]) -> torch.Tensor:
-        """Feed one more token per row; returns next-token logits [B, V] float32."""
+    def extend(self, tokens: "list[int] | torch.Tensor") -> torch.Tensor:
+        """Feed one more token per row; returns next-token logits [B, V] float32. Tokens given as a
+        tensor on the model's device stay there (no device-to-host copy per step): close() then takes
+        their values."""
         store = self.runner.cache
         for entry, n in zip(self.entries, self.lengths):
             store.reserve(entry, n, n + 1, self.protect)
         spans = [Span(e, n, 1, i) for i, (e, n) in enumerate(zip(self.entries, self.lengths))]
-        for ids, t in zip(self.token_ids, tokens):
-            ids.append(t)
-        out = self._run(tokens, self.lengths, Layout(spans, self.pool), list(range(len(tokens))))
+        _append(self, tokens)
+        ids = tokens.view(1, -1) if isinstance(tokens, torch.Tensor) else torch.tensor([tokens], device=self.runner.device)
+        out = self._run(ids, self.lengths, Layout(spans, self.pool), list(range(len(spans))))
         self.lengths = [n + 1 for n in self.lengths]
         return out
 
     @torch.inference_mode()
-    def close(self, keep: list[int]) -> None:
+    def close(self, keep: list[int], extended: list[list[int]] | None = None) -> None:
         """Store each row's first keep[i] positions as its cache (later positions are rolled back: a
-        length change). A sequence's last row is the one stored."""
+        length change). A sequence's last row is the one stored. `extended`: per row the tokens fed to
+        extend() as tensors, on the host."""
+        _resolve(self, extended)
         store = self.runner.cache
         rows = zip(self.seq_ids, self.token_ids, self.entries, keep, self.lengths, self.salts, self.reuse, self.owned)
         for seq_id, ids, entry, n, length, salt, reuse, owned in rows:
@@ -271,6 +277,29 @@ class RaggedBatch:
                 continue
             entry.token_ids = ids[:n]
             store.put(seq_id, entry, salt, unchanged=0 if owned else reuse)
+
+
+def _append(batch, tokens) -> None:
+    """Record one extend() step's tokens in the batch's token ids: now, or at close() for a tensor."""
+    if isinstance(tokens, torch.Tensor):
+        batch.deferred = getattr(batch, "deferred", 0) + 1
+        return
+    if getattr(batch, "deferred", 0):
+        raise ValueError("extend() took tensors before: give every step as a tensor")
+    for ids, t in zip(batch.token_ids, tokens):
+        ids.append(t)
+
+
+def _resolve(batch, extended: list[list[int]] | None) -> None:
+    """Append the tokens of extend() steps given as tensors, from their host values."""
+    steps = getattr(batch, "deferred", 0)
+    if not steps:
+        return
+    if extended is None or any(len(e) < steps for e in extended):
+        raise ValueError(f"close() needs the {steps} tokens each row was extended with")
+    for ids, e in zip(batch.token_ids, extended):
+        ids.extend(e[:steps])
+    batch.deferred = 0
 
 
 ROOM = 8  # spare positions a batch buffer gets beyond its prefill: the draft's extend() steps fill them
@@ -422,22 +451,24 @@ class Batch:
         return out.logits
 
     @torch.inference_mode()
-    def extend(self, tokens: list[int]) -> torch.Tensor:
-        """Feed one more token per row; returns next-token logits [B, V] float32."""
+    def extend(self, tokens: "list[int] | torch.Tensor") -> torch.Tensor:
+        """Feed one more token per row; returns next-token logits [B, V] float32 (tokens as a tensor:
+        see RaggedBatch.extend)."""
         device = self.runner.device
-        for ids, t in zip(self.token_ids, tokens):
-            ids.append(t)
+        _append(self, tokens)
         positions = torch.tensor(self.lengths, device=device).unsqueeze(1)
         self.lengths = [n + 1 for n in self.lengths]
         width = self.mask.shape[1]
         self.mask = torch.cat([self.mask, self.mask.new_ones(len(tokens), 1)], dim=1)
-        ids = torch.tensor(tokens, device=device).unsqueeze(1)
+        ids = tokens.view(-1, 1) if isinstance(tokens, torch.Tensor) else torch.tensor(tokens, device=device).unsqueeze(1)
         out = self._run(ids, positions, torch.tensor([width], device=device))
         return out[:, -1, : self.runner.vocab_size].float()
 
     @torch.inference_mode()
-    def close(self, keep: list[int]) -> None:
-        """Store each row's first keep[i] positions as its cache (later positions are rolled back)."""
+    def close(self, keep: list[int], extended: list[list[int]] | None = None) -> None:
+        """Store each row's first keep[i] positions as its cache (later positions are rolled back);
+        `extended`: see RaggedBatch.close."""
+        _resolve(self, extended)
         store, pool = self.runner.cache, self.runner.pool()
         buffers = [layer.buffers for layer in self.cache.layers]
         extended = self.mask.shape[1] - self.past - self.width  # extend() steps taken

@@ -11,6 +11,8 @@ Randomness is addressable: every uniform is a hash of (seed, absolute position, 
 seeded sequence draws the same numbers whatever batch, replica or retry it runs in.
 """
 
+from dataclasses import dataclass
+
 import torch
 
 # Purposes of a random draw, so draws at one position never collide.
@@ -48,29 +50,53 @@ def uniform(seeds: torch.Tensor, positions: torch.Tensor, purpose: int) -> torch
     return _shr(h, 11).double() / float(1 << 53)
 
 
+@dataclass(frozen=True)
+class SamplingSteps:
+    """Which steps of process_logits some row of a batch needs (a step no row needs is skipped)."""
+
+    min_p: bool = True
+    truncate: bool = True  # top-k or top-p
+    greedy: bool = True
+
+    @classmethod
+    def of(cls, params, vocab_size: int) -> "SamplingSteps":
+        """From the requests' sampling parameters (objects with temperature, top_k, top_p, min_p), on the host."""
+        return cls(min_p=any(p.min_p > 0 for p in params),
+                   truncate=any(0 < p.top_k < vocab_size or p.top_p < 1.0 for p in params),
+                   greedy=any(p.temperature <= 0 for p in params))
+
+
 def process_logits(
     logits: torch.Tensor,  # [N, V]
     temperature: torch.Tensor,  # [N]; 0 = greedy
     top_k: torch.Tensor,  # [N] int; <= 0 keeps all
     top_p: torch.Tensor,  # [N]; 1 keeps all
     min_p: torch.Tensor | None = None,  # [N]; 0 keeps all
+    *,
+    steps: "SamplingSteps | None" = None,
 ) -> torch.Tensor:
     """The distribution each row samples from: [N, V] float32 probabilities (one-hot for greedy rows).
-    After temperature, min_p and then top-k and top-p truncate (vLLM's order)."""
+    After temperature, min_p and then top-k and top-p truncate (vLLM's order).
+
+    `steps`: which of those steps any row needs, as the caller knows from its requests' parameters on
+    the host; without it they are read from the tensors, a device-to-host sync each."""
     logits = logits.float()
     n, v = logits.shape
     greedy = temperature <= 0
+    if steps is None:
+        steps = SamplingSteps(min_p=min_p is not None and bool((min_p > 0).any()),
+                              truncate=bool((((top_k > 0) & (top_k < v)) | (top_p < 1.0)).any()),
+                              greedy=bool(greedy.any()))
     scaled = logits / torch.where(greedy, 1.0, temperature).unsqueeze(-1)
-    if min_p is not None and bool((min_p > 0).any()):
+    if min_p is not None and steps.min_p:
         # a token stays when its probability is at least min_p times the top one's: in logits,
         # when it is at most log(1 / min_p) below the top logit
         floor = scaled.max(-1, keepdim=True).values + torch.log(min_p.clamp(min=1e-30)).unsqueeze(-1)
         scaled = scaled.masked_fill((scaled < floor) & (min_p > 0).unsqueeze(-1), float("-inf"))
-    needs_sort = ((top_k > 0) & (top_k < v)) | (top_p < 1.0)
-    if bool(needs_sort.any()):
+    if steps.truncate:
         scaled = _truncate(scaled, top_k, top_p)
     probs = torch.softmax(scaled, dim=-1)
-    if bool(greedy.any()):
+    if steps.greedy:
         onehot = torch.zeros_like(probs).scatter_(-1, logits.argmax(-1, keepdim=True), 1.0)
         probs = torch.where(greedy.unsqueeze(-1), onehot, probs)
     return probs

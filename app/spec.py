@@ -12,7 +12,7 @@ from app.grammar import Grammars
 from app.logits import LogitRules
 from app.params import SamplingParams
 from app.runner import ModelRunner, SeqInput
-from app.sampling import DRAFT, EMIT, process_logits, rejection_sample, sample, uniform
+from app.sampling import DRAFT, EMIT, SamplingSteps, process_logits, rejection_sample, sample, uniform
 
 
 @dataclass
@@ -129,8 +129,9 @@ def _draft_step(logits: torch.Tensor, items: list[ProposeItem], positions: torch
     if all(it.sampling.greedy for it in items):  # q is one-hot at the argmax: nothing to sample
         tokens = logits.argmax(-1)
         return tokens, tokens.unsqueeze(-1), torch.ones(len(items), 1, device=device)
-    q_ids, q_probs = _truncate_top_n(process_logits(logits, *_sampling_tensors([it.sampling for it in items], device)),
-                                     top_n)
+    params = [it.sampling for it in items]
+    q_ids, q_probs = _truncate_top_n(process_logits(logits, *_sampling_tensors(params, device),
+                                                    steps=SamplingSteps.of(params, logits.shape[-1])), top_n)
     seeds = torch.tensor([it.seed for it in items], device=device)
     col = sample(q_probs, uniform(seeds, positions, DRAFT))
     tokens = q_ids.gather(-1, col.unsqueeze(-1)).squeeze(-1)
@@ -145,7 +146,8 @@ def _guess(logits: torch.Tensor, items: list[ProposeItem], positions: torch.Tens
     if all(it.sampling.greedy for it in items):
         return logits.argmax(-1)
     device = logits.device
-    q = process_logits(logits, *_sampling_tensors([it.sampling for it in items], device))
+    params = [it.sampling for it in items]
+    q = process_logits(logits, *_sampling_tensors(params, device), steps=SamplingSteps.of(params, logits.shape[-1]))
     seeds = torch.tensor([it.seed for it in items], device=device)
     return sample(q, uniform(seeds, positions, EMIT))
 
@@ -188,21 +190,23 @@ def propose(runner: ModelRunner, items: list[ProposeItem], top_n: int = 32) -> l
     drafted = [it.k + it.guess for it in batch_items]  # the guess is one more draft step
     steps = max(drafted)
     tokens, ids, probs = [], [], []
-    guess_step = torch.tensor([it.k if it.guess else -1 for it in batch_items], device=logits.device)
+    guess_steps = [it.k if it.guess else -1 for it in batch_items]  # on the host: no sync to test them
+    guess_step = torch.tensor(guess_steps, device=logits.device)
     for step in range(steps):
         logits = _ruled(runner.grammars, logits, batch_items, tokens)
         t, qi, qp = _draft_step(logits, batch_items, positions + step, top_n)
-        if bool((guess_step == step).any()):
+        if step in guess_steps:
             t = torch.where(guess_step == step, _guess(logits, batch_items, positions + step), t)
         tokens.append(t), ids.append(qi), probs.append(qp)
         if step + 1 < steps:
-            logits = batch.extend(t.tolist())
-    batch.close([len(it.token_ids) + n - 1 for it, n in zip(batch_items, drafted)])
+            logits = batch.extend(t)  # the drafted tokens stay on the device between steps
     # [B, steps, ...]; a proposal leaves the draft's device: it is pickled to target replicas that may have none
     tokens, ids, probs = torch.stack(tokens, 1).cpu(), torch.stack(ids, 1).cpu(), torch.stack(probs, 1).cpu()
+    rows = tokens.tolist()
+    batch.close([len(it.token_ids) + n - 1 for it, n in zip(batch_items, drafted)], rows)
     for row, i in enumerate(live):
         k = items[i].k
-        row_tokens = tokens[row, : drafted[row]].tolist()
+        row_tokens = rows[row][: drafted[row]]
         out[i] = Proposal(row_tokens[:k], ids[row, :k], probs[row, :k], guess=row_tokens[k] if items[i].guess else None)
     return out
 
@@ -264,7 +268,9 @@ def _verdicts(batch, items: list[VerifyItem], runner: ModelRunner, kept_chunks: 
     padded = torch.zeros(b, kmax + 1, v, device=device)
     for i, lg in enumerate(logits):
         padded[i, : lg.shape[0]] = lg
-    p = process_logits(padded.view(-1, v), *_sampling_tensors([it.sampling for it in items], device, kmax + 1))
+    params = [it.sampling for it in items]
+    p = process_logits(padded.view(-1, v), *_sampling_tensors(params, device, kmax + 1),
+                       steps=SamplingSteps.of(params, v))
     p = p.view(b, kmax + 1, v)
 
     m = max(it.proposal.q_ids.shape[-1] for it in items)
@@ -286,7 +292,8 @@ def _verdicts(batch, items: list[VerifyItem], runner: ModelRunner, kept_chunks: 
         seeds=column([it.seed for it in items], torch.long),
         start_pos=column([len(it.token_ids) for it in items]),
     )
-    accepted, tokens = accepted.tolist(), tokens.tolist()
+    rows = torch.cat([accepted.unsqueeze(1), tokens], 1).tolist()  # the round's one device-to-host transfer
+    accepted, tokens = [r[0] for r in rows], [r[1:] for r in rows]
     batch.close([len(it.token_ids) + a for it, a in zip(items, accepted)] + kept_chunks)
     verdicts = [Verdict(tokens[i][: accepted[i] + 1], accepted[i], ks[i], {"batch_size": b}) for i in range(b)]
     return _with_logprobs(verdicts, items, raw, logits, p)
@@ -315,8 +322,13 @@ def _with_logprobs(verdicts: list[Verdict], items: list[VerifyItem], raw: list[t
 def _greedy_verdicts(logits: list[torch.Tensor], items: list[VerifyItem]) -> list[Verdict]:
     """Greedy acceptance: keep draft tokens while they equal the target's argmax, then its argmax."""
     out = []
-    for lg, it in zip(logits, items):  # lg: [K+1, V]
-        best = lg.argmax(-1).tolist()
+    # every row's argmax in one transfer (the round's one device-to-host copy), then split per item
+    flat = torch.cat(logits).argmax(-1).tolist()
+    bests, start = [], 0
+    for lg in logits:
+        bests.append(flat[start : start + lg.shape[0]])
+        start += lg.shape[0]
+    for best, it in zip(bests, items):  # best: the target's argmax at each of the K+1 positions
         a = 0
         while a < len(it.proposal.tokens) and it.proposal.tokens[a] == best[a]:
             a += 1

@@ -45,8 +45,12 @@ def test_every_mode_reports_every_key(model_dirs, tmp_path, capsys):
     assert report["modes"]["target"]["speedup"] == 1.0
     assert report["modes"]["target"]["mean_k"] == 0.0
     assert report["costs"]["c"] > 0
+    # host syncs of a steady round, counted: one per verify batch, one read per draft call (its tokens)
+    # and the copies of its tokens, q ids and q probabilities
+    assert report["syncs"]["greedy"] == report["syncs"]["sampled"] == {"propose": 4, "verify": 1}
     assert out_png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    assert "spec-auto" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert "spec-auto" in printed and "host syncs per round" in printed
 
 
 def test_a_mismatch_of_our_modes_fails_the_run(model_dirs, tmp_path, monkeypatch, capsys):

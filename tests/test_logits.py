@@ -180,7 +180,7 @@ class _BigramBatch:
     def extend(self, tokens):
         return self.table[torch.tensor(tokens)]
 
-    def close(self, keep):
+    def close(self, keep, extended=None):
         pass
 
 

@@ -1,0 +1,47 @@
+"""Host syncs per round, counted on CPU (app/syncs.py): a verify round reads the device once (its
+verdicts' token ids), a proposal once per draft call (its tokens), never once per sequence or step."""
+
+import pytest
+import torch
+
+from app.params import SamplingParams
+from app.runner import ModelRunner
+from app.spec import Proposal, ProposeItem, VerifyItem, propose, verify
+from app.syncs import SyncCounter
+from conftest import blend
+
+PROMPTS = [list(range(3, 40)), [5, 6, 7], list(range(10, 90)), [42] * 12]
+
+
+def sampling(greedy: bool) -> SamplingParams:
+    return SamplingParams(temperature=0 if greedy else 0.8, top_p=1.0 if greedy else 0.9, max_tokens=16)
+
+
+def test_the_counter_sees_every_kind_of_host_read():
+    x = torch.arange(4)
+    with SyncCounter() as syncs:
+        x.tolist(), x[0].item(), bool(x.any()), x.cpu(), int(x[1]), float(x[2])
+        if x.sum() > 2:
+            pass
+    assert syncs.by_call == {"tolist": 1, "item": 1, "__bool__": 2, "cpu": 1, "__int__": 1, "__float__": 1}
+
+
+@pytest.mark.parametrize("greedy", [True, False], ids=["greedy", "sampled"])
+def test_a_round_reads_the_device_once(target_model, tokenizer, greedy):
+    target = ModelRunner(target_model, tokenizer)
+    draft = ModelRunner(blend(target_model, 7, 0.9), tokenizer)
+    params = sampling(greedy)
+    asks = [ProposeItem(f"s{i}", p, 4, params, seed=i, guess=True) for i, p in enumerate(PROMPTS)]
+    propose(draft, asks)  # prompts cached: the counted calls below are a steady round's
+    verify(target, [VerifyItem(a.seq_id, a.token_ids, Proposal.empty(), params, a.seed) for a in asks])
+    with SyncCounter() as draft_syncs:
+        proposals = propose(draft, asks)
+    with SyncCounter() as target_syncs:
+        verdicts = verify(target, [VerifyItem(a.seq_id, a.token_ids, p, params, a.seed)
+                                   for a, p in zip(asks, proposals)])
+    assert all(len(p.tokens) == 4 for p in proposals) and all(v.tokens for v in verdicts)
+    # the target: one transfer for the whole batch (every row's accepted ids), whatever its size
+    assert target_syncs.count == 1, target_syncs.by_call
+    # the draft: five steps (four tokens and the guess) and no read between them; its proposal's
+    # tokens, q ids and q probabilities come back once each at the end
+    assert draft_syncs.by_call == {"cpu": 3, "tolist": 1}, draft_syncs.by_call
