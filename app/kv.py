@@ -19,9 +19,10 @@ in. Nothing grows or moves while serving:
 The pool of each layer is laid out [kv heads, slots, head dim] (slot = block * BLOCK_SIZE + offset),
 so a run of consecutive blocks is one strided view: attention reads a sequence whose table is one
 run in place. The allocator therefore gives a sequence the blocks right after its last one where
-they are free, and takes a quarter spare as it grows while the pool has room. On a CPU, reading in place measures
-faster than any gather (docs/architecture.md has the figures); a table in several runs (a shared
-prefix, a fragmented pool) is gathered per forward.
+they are free, and takes a quarter spare as it grows while the pool has room. On a CPU, reading in
+place measures faster than any gather (docs/architecture.md has the figures): there a table that
+ends a forward in several runs (a borrowed prefix, a fragmented pool) is moved into one run once
+(`compact`), where the pool has one free; until then it is gathered per forward.
 """
 
 import threading
@@ -122,9 +123,9 @@ class BlockPool:
         self.block_bytes = 2 * layers * heads * BLOCK_SIZE * head_dim * torch.finfo(dtype).bits // 8
         self.shape = (layers, heads, head_dim, dtype)
 
-    def take(self, n: int, after: int | None = None) -> list[int] | None:
+    def take(self, n: int, after: int | None = None, run_only: bool = False) -> list[int] | None:
         """n free blocks, referenced once: the ones right after block `after` when free, else a run of n
-        consecutive blocks, else any n; None when fewer than n are free."""
+        consecutive blocks, else (unless run_only) any n; None when there are not."""
         if n <= 0:
             return []
         if n > self.free:
@@ -136,6 +137,8 @@ class BlockPool:
             start = self.free_map.find(b"\x01" * n)
         if start >= 0:
             ids = list(range(start, start + n))
+        elif run_only:
+            return None
         else:  # fragmented: the first n free blocks
             ids, i = [], 0
             while len(ids) < n:
@@ -327,6 +330,26 @@ class KVStore:
                 used = self.pool.num_blocks - self.pool.free
                 got = self.pool.take(spare, after) if used + spare <= self._limit_blocks() else None
                 entry.blocks += got if got is not None else self._need(missing, after, protect)
+
+    def compact(self, entry: SequenceCache) -> bool:
+        """Move a table of several runs (a borrowed prefix, blocks taken where the pool had them) into
+        one run of fresh blocks, so attention reads it in place from then on: one copy instead of a
+        gather every forward. Only where a free run is there (it evicts nobody); True when moved."""
+        with self._lock:
+            n = len(entry.token_ids)
+            need = blocks_for(n + n // 4)
+            if self.pool.num_blocks - self.pool.free + need > self._limit_blocks():
+                return False
+            run = self.pool.take(need, run_only=True)
+            if run is None:
+                return False
+            src = torch.tensor(entry.slots(0, n), device=self.pool.keys[0].device)
+            start = run[0] * BLOCK_SIZE
+            for t in (*self.pool.keys, *self.pool.values):
+                t[:, start : start + n] = t.index_select(1, src)
+            self.pool.unref(entry.blocks)
+            entry.blocks = run
+            return True
 
     def free(self, entry: SequenceCache) -> None:
         """Give back the blocks of an entry that was never stored (a borrowed cache whose forward failed)."""

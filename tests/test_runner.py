@@ -253,3 +253,24 @@ def test_kv_store_mutates_its_maps_only_under_its_lock():
     for t in threads:
         t.join(timeout=60)
     assert changes and all(changes)
+
+
+@pytest.mark.parametrize("compact", [True, False], ids=["cpu-compacts", "shared-in-place"])
+def test_a_borrowed_prefix_is_shared_by_reference_and_read_in_one_run_on_cpu(target_model, tokenizer, compact):
+    runner = ModelRunner(target_model, tokenizer)
+    runner.compact_tables = compact
+    prompt = random_ids(30, 40)
+    runner.forward([SeqInput("donor", prompt + [5])])
+    runner.release("donor")
+    donor = runner.cache.get("donor")
+    b = prompt + random_ids(31, 6)
+    batch = runner.open([SeqInput("b", b, 2)])
+    assert batch.reuse == [len(prompt)] and batch.entries[0].blocks[:2] == donor.blocks[:2]  # by reference
+    torch.testing.assert_close(batch.logits[0], fresh_logits(target_model, b, 2), atol=ATOL, rtol=0)
+    batch.close([len(b)])
+    entry = runner.cache.get("b")
+    # on a CPU the table is moved into one run once, so attention reads it in place from then on
+    assert (len(entry.runs(len(entry))) == 1) == compact
+    assert (entry.blocks[:2] == donor.blocks[:2]) != compact
+    (logits,) = runner.forward([SeqInput("b", b + [9, 10], 2)])
+    torch.testing.assert_close(logits, fresh_logits(target_model, b + [9, 10], 2), atol=ATOL, rtol=0)
