@@ -6,8 +6,14 @@ Terms (Leviathan et al., 2023):
     verify_cost  v: extra target cost, relative to one step, of verifying one more token
                  per sequence; 0 while verifying K+1 tokens is as cheap as one step,
                  grows when the target is busy and batches stop being free
+    overhead     w: the part of waiting for a proposal that does not grow with K (the call's hop,
+                 its wait in the draft's queue), relative to one target round
+
 A round drafts K tokens and emits 1 + (accepted) tokens, so its expected length is
-sum_{i=0..K} alpha^i, and its cost, in target steps, is K*c + 1 + K*v.
+sum_{i=0..K} alpha^i, and its cost, in target steps, is K*c + 1 + K*v, plus w when K > 0.
+Counting w per step instead (c as wait / K) would make a slow hop look like an expensive draft
+step, and the smaller K became the more expensive each step would look: K would spiral to 0
+exactly where a longer K amortises the hop.
 
 `CostEstimator` measures c online for one engine (a target replica); `KController` keeps one sequence's alpha
 and picks the K that maximises the expected speed-up, falling back to K = 0 (plain target
@@ -27,19 +33,19 @@ def expected_accepted_length(alpha: float, k: int) -> float:
     return math.fsum(alpha**i for i in range(k + 1))
 
 
-def expected_speedup(alpha: float, k: int, c: float, verify_cost: float = 0.0) -> float:
-    """Expected speed-up over plain decoding: (1 - α^(K+1)) / ((1 - α)(K·c + 1 + K·v))."""
+def expected_speedup(alpha: float, k: int, c: float, verify_cost: float = 0.0, overhead: float = 0.0) -> float:
+    """Expected speed-up over plain decoding: (1 - α^(K+1)) / ((1 - α)(K·c + 1 + K·v + w))."""
     if k == 0:
         return 1.0  # a plain target step: one token per step
-    round_cost = k * c + 1.0 + k * verify_cost  # in target steps
+    round_cost = k * c + 1.0 + k * verify_cost + overhead  # in target steps
     return expected_accepted_length(alpha, k) / round_cost
 
 
 def optimal_k(
-    alpha: float, c: float, k_max: int, verify_cost: float = 0.0, margin: float = 0.0
+    alpha: float, c: float, k_max: int, verify_cost: float = 0.0, margin: float = 0.0, overhead: float = 0.0
 ) -> int:
     """The K in [0, k_max] maximising the expected speed-up; 0 unless some K beats 1 + margin."""
-    speedups = [expected_speedup(alpha, k, c, verify_cost) for k in range(1, k_max + 1)]
+    speedups = [expected_speedup(alpha, k, c, verify_cost, overhead) for k in range(1, k_max + 1)]
     if not speedups:
         return 0
     best = max(range(len(speedups)), key=speedups.__getitem__)  # first of ties: smaller K
@@ -61,21 +67,41 @@ class CostConfig:
 
 
 class CostEstimator:
-    """Online estimate of c = draft step time / target round time, shared by one engine."""
+    """Online estimate of c = draft step time / target round time, and of the fixed part w of
+    waiting for a proposal, shared by one engine."""
 
     def __init__(self, config: CostConfig | None = None) -> None:
         self.config = config or CostConfig()
         self._draft_step_s: float | None = None  # EMA of one draft step's seconds
+        self._draft_fixed_s: float | None = None  # EMA of the wait beyond the draft's forward: hop, queue
         self._target_round_s: float | None = None  # EMA of one verify round's seconds
         self._draft_latency_s: float | None = None  # EMA of a proposal's round trip, asked to answered
 
-    def observe(self, draft_seconds: float, draft_steps: int, target_seconds: float) -> None:
-        """Record one round: draft time for `draft_steps` (= K) steps and the target's time."""
+    def observe(self, draft_seconds: float, draft_steps: int, target_seconds: float,
+                draft_forward: tuple[float, int] | None = None) -> None:
+        """Record one round: the wait for a proposal of `draft_steps` (= K) tokens and the target's
+        time. `draft_forward`: (seconds, steps) of the draft forward that computed it, as its replica
+        reported; with it the wait splits into steps and a fixed part (only what was waited for
+        counts: a proposal drafted ahead costs what was left of it)."""
         w = self.config.weight
         if draft_steps > 0 and draft_seconds > 0:
-            self._draft_step_s = _ema(self._draft_step_s, draft_seconds / draft_steps, w)
+            if draft_forward is not None and draft_forward[1] > 0 and draft_forward[0] > 0:
+                forward_s, steps = draft_forward
+                step = forward_s / steps
+                waited_steps = min(draft_seconds, step * draft_steps)
+                self._draft_step_s = _ema(self._draft_step_s, waited_steps / draft_steps, w)
+                self._draft_fixed_s = _ema(self._draft_fixed_s, draft_seconds - waited_steps, w)
+            else:
+                self._draft_step_s = _ema(self._draft_step_s, draft_seconds / draft_steps, w)
         if target_seconds > 0:
             self._target_round_s = _ema(self._target_round_s, target_seconds, w)
+
+    @property
+    def overhead(self) -> float:
+        """w: the fixed part of waiting for a proposal, in target rounds (0 until measured)."""
+        if self._draft_fixed_s is None or not self._target_round_s:
+            return 0.0
+        return min(self._draft_fixed_s / self._target_round_s, self.config.c_max * 8)
 
     def observe_latency(self, seconds: float) -> None:
         """Record how long one proposal took from request to answer (drafted ahead or not)."""
@@ -164,16 +190,16 @@ class KController:
         self._successes = d * self._successes + accepted
         self._failures = d * self._failures + (1.0 if accepted < k else 0.0)
 
-    def choose(self, c: float, verify_cost: float = 0.0) -> int:
+    def choose(self, c: float, verify_cost: float = 0.0, overhead: float = 0.0) -> int:
         """K for the next round: the speed-up maximiser, 0 when none pays, now and then a probe."""
         if self.pinned_k is not None:
             return self.pinned_k
         cfg = self.config
-        k = optimal_k(self.alpha, c, cfg.k_max, verify_cost, cfg.margin)
+        k = optimal_k(self.alpha, c, cfg.k_max, verify_cost, cfg.margin, overhead)
         if k > 0 or cfg.k_max == 0:
             self._zero_rounds = 0
             return k
-        if verify_cost > 0 and optimal_k(self.alpha, c, cfg.k_max, 0.0, cfg.margin) > 0:
+        if verify_cost > 0 and optimal_k(self.alpha, c, cfg.k_max, 0.0, cfg.margin, overhead) > 0:
             # the busy target, not the draft, makes speculation not pay: acceptance is not in doubt
             # and the load is measured live (K returns the round it drops), so a probe would only
             # add rows and a draft call to forwards that are already the bottleneck

@@ -84,16 +84,17 @@ def within_room(state: RequestState, k: int, emitted: int = 0) -> int:
     return max(0, min(k, state.room() - emitted - 1))
 
 
-def _costs(state: RequestState, costs: CostEstimator, verify_cost: Callable[[], float]) -> tuple[float, float]:
-    """(c, verify cost) the controller weighs for this request.
+def _costs(state: RequestState, costs: CostEstimator,
+           verify_cost: Callable[[], float]) -> tuple[float, float, float]:
+    """(c, verify cost, fixed draft overhead) the controller weighs for this request.
 
     A seeded sampled request must give the same output wherever it runs, and its draws depend on
     the K of each round, so its K may depend only on its own acceptance history: it sees the prior
     c and no load. Greedy output does not depend on K, so greedy requests use the live figures.
     """
     if state.params.seed is not None and not state.params.greedy:
-        return costs.config.prior_c, 0.0
-    return costs.c, verify_cost()
+        return costs.config.prior_c, 0.0, 0.0
+    return costs.c, verify_cost(), costs.overhead
 
 
 @dataclass
@@ -220,7 +221,8 @@ class Rounds:
         self.cached = len(state.token_ids) + verdict.accepted
         t_verify = time.perf_counter() - t0
         if proposal.tokens:
-            self.costs.observe(t_draft, len(proposal.tokens), t_verify)
+            forward = proposal.stats.get("forward_s"), proposal.stats.get("steps")
+            self.costs.observe(t_draft, len(proposal.tokens), t_verify, forward if None not in forward else None)
             self.controller.observe(len(proposal.tokens), verdict.accepted)
         return verdict, RoundFacts(
             k=k, drafted=verdict.drafted, accepted=verdict.accepted, emitted=len(verdict.tokens), fallback=fallback,

@@ -207,7 +207,8 @@ def propose(runner: ModelRunner, items: list[ProposeItem], top_n: int = 32) -> l
     for row, i in enumerate(live):
         k = items[i].k
         row_tokens = rows[row][: drafted[row]]
-        out[i] = Proposal(row_tokens[:k], ids[row, :k], probs[row, :k], guess=row_tokens[k] if items[i].guess else None)
+        out[i] = Proposal(row_tokens[:k], ids[row, :k], probs[row, :k], {"steps": steps},
+                          guess=row_tokens[k] if items[i].guess else None)
     return out
 
 

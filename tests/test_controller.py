@@ -236,3 +236,23 @@ def test_cost_estimator_clamps():
     slow = CostEstimator()
     slow.observe(2.0, 1, 0.1)
     assert slow.c == 1.0
+
+
+def test_a_slow_hop_is_a_fixed_cost_that_a_longer_k_amortises():
+    """The wait for a proposal is a fixed part (hop, queue) plus the draft's steps. Read as a cost per
+    step, a 10 ms hop on a 1 ms draft step made c look large, and the smaller K became the larger it
+    looked (K spiralled to 0). Split, the hop is paid once a round and K stays long."""
+    from app.controller import CostEstimator, KController
+
+    split, lumped = CostEstimator(), CostEstimator()
+    for k in (4, 3, 2, 1):  # rounds as K shrinks: waits of 10 ms + 1 ms per step; 20 ms target rounds
+        wait = 0.010 + 0.001 * k
+        split.observe(wait, k, 0.020, draft_forward=(0.001 * (k + 1), k + 1))
+        lumped.observe(wait, k, 0.020)
+    assert split.c == pytest.approx(0.05, rel=0.05) and split.overhead == pytest.approx(0.5, rel=0.05)
+    assert lumped.c > 4 * split.c  # the hop counted per step
+    controller = KController()
+    for _ in range(10):
+        controller.observe(4, 3)  # alpha ~ 0.75
+    assert controller.choose(split.c, 0.0, split.overhead) >= 4
+    assert controller.choose(lumped.c) < controller.choose(split.c, 0.0, split.overhead)

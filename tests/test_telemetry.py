@@ -64,7 +64,7 @@ class Recorder:
 class NeverSpeculates:
     """A controller that finds speculation never pays."""
 
-    def choose(self, c, verify_cost=0.0):
+    def choose(self, c, verify_cost=0.0, overhead=0.0):
         return 0
 
     def observe(self, k, accepted):
