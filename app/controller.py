@@ -76,6 +76,20 @@ class CostEstimator:
         self._draft_fixed_s: float | None = None  # EMA of the wait beyond the draft's forward: hop, queue
         self._target_round_s: float | None = None  # EMA of one verify round's seconds
         self._draft_latency_s: float | None = None  # EMA of a proposal's round trip, asked to answered
+        self._accepted = self._rejected = 0.0  # decayed counts over every sequence's rounds
+
+    def observe_acceptance(self, k: int, accepted: int) -> None:
+        """Record a round's acceptance for the engine-wide alpha (the prior of new sequences)."""
+        if k > 0:
+            d = 1.0 - self.config.weight
+            self._accepted = d * self._accepted + accepted
+            self._rejected = d * self._rejected + (1.0 if accepted < k else 0.0)
+
+    @property
+    def alpha(self) -> float | None:
+        """The acceptance rate of this engine's recent rounds (all sequences), None before any."""
+        total = self._accepted + self._rejected
+        return self._accepted / total if total >= 1.0 else None
 
     def observe(self, draft_seconds: float, draft_steps: int, target_seconds: float,
                 draft_forward: tuple[float, int] | None = None) -> None:
@@ -154,14 +168,19 @@ class KController:
     Counts decay each round so that α follows the text.
     """
 
-    def __init__(self, config: KControllerConfig | None = None, pinned_k: int | None = None):
+    def __init__(self, config: KControllerConfig | None = None, pinned_k: int | None = None,
+                 prior_alpha: float | None = None):
+        """prior_alpha: what a new sequence starts from (the engine's recent acceptance), instead of the
+        config's fixed prior; a prior that underestimates the pair would keep K at 0 where the wait for
+        a proposal is long, and a sequence that never drafts never learns better."""
         self.config = config or KControllerConfig()
         if pinned_k is not None and pinned_k < 0:
             raise ValueError(f"pinned K must be >= 0 (0 turns speculation off), got {pinned_k}")
         self.pinned_k = pinned_k
         cfg = self.config
-        self._successes = cfg.prior_alpha * cfg.prior_weight  # decayed accepted tokens
-        self._failures = (1.0 - cfg.prior_alpha) * cfg.prior_weight  # decayed rejections
+        prior = cfg.prior_alpha if prior_alpha is None else min(max(prior_alpha, 0.0), 1.0)
+        self._successes = prior * cfg.prior_weight  # decayed accepted tokens
+        self._failures = (1.0 - prior) * cfg.prior_weight  # decayed rejections
         self._zero_rounds = 0  # consecutive rounds choose() returned 0
 
     def snapshot(self) -> tuple[float, float, int]:

@@ -156,6 +156,7 @@ class Rounds:
         wanted = self.controller.choose(*_costs(state, self.costs, self.verify_cost)) if self.propose else 0
         k = within_room(state, wanted)
         proposal, fallback, ahead_hit, t_draft = Proposal.empty(), None, None, 0.0
+        beside_prompt = False  # the proposal was asked beside the prompt's prefill
         # output that does not depend on K: greedy, or sampled without a seed
         flexible = state.params.greedy or state.params.seed is None
         if k > 0 and clock() < self.draft_down_until:
@@ -205,10 +206,10 @@ class Rounds:
             self._cancel_ahead()
         if proposal.tokens and self.policy.ahead and proposal.guess is not None:
             self._draft_ahead(proposal)
-        return await self._verify(proposal, k, fallback, ahead_hit, t_round, t_draft)
+        return await self._verify(proposal, k, fallback, ahead_hit, t_round, t_draft, beside_prompt)
 
     async def _verify(self, proposal: Proposal, k: int, fallback: str | None, ahead_hit: bool | None,
-                      t_round: float, t_draft: float) -> tuple[Verdict, RoundFacts]:
+                      t_round: float, t_draft: float, from_prompt: bool = False) -> tuple[Verdict, RoundFacts]:
         """Verify this round's proposal (empty: a plain target step), learn from it, report the round."""
         state = self.state
         t0 = time.perf_counter()
@@ -221,8 +222,10 @@ class Rounds:
         self.cached = len(state.token_ids) + verdict.accepted
         t_verify = time.perf_counter() - t0
         if proposal.tokens:
-            forward = proposal.stats.get("forward_s"), proposal.stats.get("steps")
-            self.costs.observe(t_draft, len(proposal.tokens), t_verify, forward if None not in forward else None)
+            if not from_prompt:  # the wait for the prompt's proposal holds the draft's prefill: not a round's cost
+                forward = proposal.stats.get("forward_s"), proposal.stats.get("steps")
+                self.costs.observe(t_draft, len(proposal.tokens), t_verify, forward if None not in forward else None)
+            self.costs.observe_acceptance(len(proposal.tokens), verdict.accepted)
             self.controller.observe(len(proposal.tokens), verdict.accepted)
         return verdict, RoundFacts(
             k=k, drafted=verdict.drafted, accepted=verdict.accepted, emitted=len(verdict.tokens), fallback=fallback,

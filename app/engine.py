@@ -165,8 +165,12 @@ class Engine:
             self.grammars.check(grammar)
 
     def controller(self, params: SamplingParams) -> KController:
+        """A request's K controller. It starts from this engine's recent acceptance rate, except for a
+        seeded sampled request: its K schedule must depend on its own history only (its draws do)."""
         pinned = params.speculation.pinned_k() if self.drafter else 0
-        return KController(KControllerConfig(k_max=self.k_max), pinned_k=pinned)
+        own = params.seed is not None and not params.greedy
+        return KController(KControllerConfig(k_max=self.k_max), pinned_k=pinned,
+                           prior_alpha=None if own else self.costs.alpha)
 
     async def stream(self, state: RequestState, controller: KController | None = None,
                      observer: RoundObserver = NoObserver(), trace_parent: telemetry.Parent = None
