@@ -9,7 +9,7 @@ import functools
 import uuid
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Literal, Protocol
 
 from pydantic import BaseModel, Field
 
@@ -47,6 +47,9 @@ class EngineConfig(BaseModel):
     memory_utilization: float = Field(
         0.9, gt=0, le=1, description="GPU: the share of the device's memory both models may use together.")
     trust_remote_code: bool = Field(False, description="Run model code shipped with the weights (off: safer).")
+    compile: Literal["off", "default", "reduce-overhead"] = Field(
+        "off", description="Both models' steps as torch.compile graphs over static token counts (app/compiled.py), "
+        "compiled at load; reduce-overhead replays them as CUDA graphs on a GPU.")
     # In one process the two models' forwards take turns at the GIL, so drafting ahead slows the verify
     # it hides behind (2 CPU cores, demo pair, 16 code prompts, K = 4, `specserve bench` with and without
     # --draft-ahead: 145-155 tokens/s with it, 170-177 without). The served path, where the draft is
@@ -125,7 +128,7 @@ class Engine:
     def from_config(cls, config: EngineConfig) -> "Engine":
         def load(path: str, dtype: str) -> ModelRunner:
             return ModelRunner.from_pretrained(path, dtype=dtype, device=config.device,
-                                               trust_remote_code=config.trust_remote_code)
+                                               trust_remote_code=config.trust_remote_code, compile=config.compile)
         target = load(config.target, config.dtype)
         draft = load(config.draft, config.draft_dtype) if config.draft else None
         # both models share the device: the draft's budget is sized once the target's is taken
@@ -133,6 +136,8 @@ class Engine:
         if draft is not None:
             size_kv_budget(draft, config.memory_utilization, config.max_cache_bytes, MAX_BATCH_TOKENS,
                            reserved=target.cache.max_bytes)
+        for runner in filter(None, (target, draft)):
+            runner.warm()
         return cls(target, draft, k_max=config.k_max, draft_top_n=config.draft_top_n,
                    policy=DraftPolicy(ahead=config.draft_ahead))
 

@@ -1,5 +1,6 @@
 """ModelRunner: a Hugging Face causal LM with per-sequence KV caches and ragged batched forwards."""
 
+import logging
 import os
 import sys
 from dataclasses import dataclass
@@ -9,12 +10,15 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, Genera
 from transformers.cache_utils import Cache, DynamicLayer
 
 from app import dtypes
+from app.compiled import CompiledSteps, unavailable
 from app.cpu_linear import pack_linears
 from app.grammar import Grammars
 from app.kv import BLOCK_SIZE, KVStore, SequenceCache, common_prefix, grown_capacity
-from app.ragged import LAYOUT, Layout, Span, supports_ragged
+from app.ragged import LAYOUT, Layout, Span, active, supports_ragged
 from app.ragged import NAME as RAGGED
 from app.request import tokenizer_eos_ids
+
+log = logging.getLogger(__name__)
 
 def weights_dtype(name_or_path: str, dtype: str, device: str = "cpu", trust_remote_code: bool = False) -> torch.dtype:
     """The dtype to load a checkpoint in for a configured `dtype` on `device` (`app.dtypes.resolve`:
@@ -73,7 +77,7 @@ class ModelRunner:
     """Runs one model over many sequences at once, reusing each sequence's cached prefix."""
 
     def __init__(self, model: PreTrainedModel, tokenizer, *, max_cache_bytes: int = 1 << 30, pack: bool = False,
-                 max_forward_tokens: int = 2048):
+                 max_forward_tokens: int = 2048, compile: str = "off", compile_max_tokens: int = 128):
         self.model = model
         # positions one forward computes at most (what the memory model sized working buffers for): a
         # context with more uncached positions is prefilled in chunks first (prefill())
@@ -87,20 +91,75 @@ class ModelRunner:
         self.grammars = Grammars(tokenizer, self.vocab_size)  # structured output's matchers, per sequence
         # a sequence's matcher lives as long as its KV: on a draft replica the release may never come
         self.cache = KVStore(max_cache_bytes, on_drop=self.grammars.release)
-        # CPU serving: linears on oneDNN-prepacked weights (app/cpu_linear.py); same maths, 2-3x faster
-        self.packed_linears = pack_linears(model) if pack and self.device.type == "cpu" else 0
-        # models whose forward takes a per-row mask of the positions to project (transformers'
-        # slice_logits_to_keep) run the LM head only where a logit is needed, not over every position
-        self.ragged_logits = hasattr(sys.modules.get(type(model).__module__), "slice_logits_to_keep")
         # sequences packed end to end, attention per sequence over its own slab (app/ragged.py); models
         # whose attention that cannot reproduce exactly (sliding windows, soft-capping) use padded batches
         self.ragged = supports_ragged(model)
         if self.ragged:
             model.config._attn_implementation = RAGGED
+        # compiled steps over static token counts (app/compiled.py): ragged forwards of one device only
+        self.steps = self._compiled(compile, compile_max_tokens)
+        # CPU eager serving: linears on oneDNN-prepacked weights (app/cpu_linear.py); same maths, 2-3x
+        # faster. A compiled graph packs its own (inductor cannot lower the eager packing's op).
+        self.packed_linears = pack_linears(model) if pack and self.device.type == "cpu" and not self.steps else 0
+        # models whose forward takes a per-row mask of the positions to project (transformers'
+        # slice_logits_to_keep) run the LM head only where a logit is needed, not over every position
+        self.ragged_logits = hasattr(sys.modules.get(type(model).__module__), "slice_logits_to_keep")
         # CPU attention reads a sequence's KV in place only where its blocks are one run (app/ragged.py):
         # a table left in several runs after a forward is moved into one (measured: gathers took 14 % of
         # a served target replica's time at 16 streams, half of them borrowers of a cached prompt)
         self.compact_tables = self.device.type == "cpu"
+
+    def _compiled(self, mode: str, max_tokens: int) -> CompiledSteps | None:
+        if mode == "off":
+            return None
+        why = ("the model's attention is not ragged (app/ragged.py)" if not self.ragged
+               else "tensor parallel forwards run eagerly" if getattr(self.model, "tp_size", None)
+               else unavailable(self.device))
+        if why:
+            log.warning("compile=%s: eager forwards: %s", mode, why)
+            return None
+        return CompiledSteps(self.model, mode, min(max_tokens, self.max_forward_tokens))
+
+    def warm(self) -> None:
+        """Compile every bucket now, so no request waits for a compile, then check the compiled path
+        against the eager one (`check_compiled`). Logs each bucket: the first compile on a machine takes
+        seconds per bucket (inductor caches them on disk for the next start)."""
+        if not self.steps:
+            return
+        name = getattr(self.model.config, "_name_or_path", "") or type(self.model).__name__
+        with torch.inference_mode(), active(Layout([], self.pool())):
+            for i, n in enumerate(self.steps.buckets):
+                log.info("compiling %s's step for %d tokens (%d/%d)", name, n, i + 1, len(self.steps.buckets))
+                ids, positions = (torch.zeros(1, n, dtype=torch.long, device=self.device) for _ in range(2))
+                self.steps.graph(ids, positions)
+        self.check_compiled()
+
+    @torch.inference_mode()
+    def check_compiled(self, ids: list[int] | None = None) -> bool:
+        """Whether the compiled path gives the eager forward's logits (to rounding) and argmaxes on a short
+        sequence; if not (a head that is more than a linear, a graph that miscompiles), the runner stays
+        eager and logs why."""
+        if not self.steps:
+            return False
+        ids = ids or [i % self.vocab_size for i in range(3, 3 + min(8, self.steps.buckets[-1]))]
+        probe = [SeqInput(f"specserve-check-{i}", ids, len(ids)) for i in range(2)]
+        steps, self.steps = self.steps, None
+        try:
+            eager = self.forward(probe[:1])[0]
+            self.steps = steps
+            compiled = self.forward(probe[1:])[0]
+        finally:
+            self.steps = steps
+            for s in probe:
+                self.forget(s.seq_id)
+        tol = 1e-3 if self.model.dtype == torch.float32 else 5e-2
+        scale = eager.abs().max().clamp_min(1.0)
+        if not torch.equal(eager.argmax(-1), compiled.argmax(-1)) or (eager - compiled).abs().max() > tol * scale:
+            log.warning("compiled steps disagree with the eager forward (max |diff| %.3g): eager forwards",
+                        (eager - compiled).abs().max().item())
+            self.steps = None
+            return False
+        return True
 
     def kv_shape(self) -> tuple[int, int, int]:
         """(layers, kv heads, head dim) of the model's KV cache, from its config."""
@@ -126,9 +185,11 @@ class ModelRunner:
 
     @classmethod
     def from_pretrained(cls, name_or_path: str, *, dtype: str = "float32", device: str = "cpu",
-                        max_cache_bytes: int = 1 << 30, trust_remote_code: bool = False) -> "ModelRunner":
+                        max_cache_bytes: int = 1 << 30, trust_remote_code: bool = False, compile: str = "off",
+                        compile_max_tokens: int = 128) -> "ModelRunner":
         model, tokenizer = load_model(name_or_path, dtype=dtype, device=device, trust_remote_code=trust_remote_code)
-        return cls(model, tokenizer, max_cache_bytes=max_cache_bytes, pack=True)
+        return cls(model, tokenizer, max_cache_bytes=max_cache_bytes, pack=True, compile=compile,
+                   compile_max_tokens=compile_max_tokens)
 
     @torch.inference_mode()
     def forward(self, seqs: list[SeqInput]) -> list[torch.Tensor]:
@@ -240,13 +301,16 @@ class RaggedBatch:
         logits at `keep` (flat indices), [len(keep), V] float32."""
         device, runner = self.runner.device, self.runner
         index = torch.tensor(keep, device=device)
-        extra = {"logits_to_keep": index} if runner.ragged_logits else {}
         input_ids = ids if isinstance(ids, torch.Tensor) else torch.tensor([ids], device=device)
-        out = runner.model(
-            input_ids=input_ids, position_ids=torch.tensor([positions], device=device),
-            past_key_values=layout, attention_mask=torch.empty(1, 1, 0, 0, dtype=torch.bool, device=device),
-            use_cache=True, **{LAYOUT: layout}, **extra,
-        ).logits[0]
+        position_ids = torch.tensor([positions], device=device)
+        with active(layout):
+            if runner.steps and runner.steps.bucket(len(positions)):
+                return runner.steps.logits(input_ids, position_ids, index)[:, : runner.vocab_size].float()
+            extra = {"logits_to_keep": index} if runner.ragged_logits else {}
+            out = runner.model(
+                input_ids=input_ids, position_ids=position_ids, use_cache=False,
+                attention_mask=torch.empty(1, 1, 0, 0, dtype=torch.bool, device=device), **{LAYOUT: True}, **extra,
+            ).logits[0]
         return (out if runner.ragged_logits else out[index])[:, : runner.vocab_size].float()
 
     @torch.inference_mode()

@@ -213,10 +213,14 @@ their maximum; nothing else. The API key secret `specserve-api` is optional here
 TP = 4  # GPUs per target replica: one pod, one STRICT_PACK placement group of TP one-GPU bundles
 GPU_ARGS = {
     "speculation": {"verify_saturation_tokens": 512},  # a GPU verifies hundreds of tokens for the price of one
+    # the KV cache of each takes what memory_utilization leaves after weights and working buffers (no
+    # byte cap: the CPU config's 1 GiB would hold ~13k tokens of the 70B target per rank, while the
+    # ingress admits its 131k-token context; 0.9 of an 80 GB rank leaves ~30 GB, ~370k tokens)
     "target": {"model": "meta-llama/Llama-3.1-70B-Instruct", "dtype": "bfloat16", "tensor_parallel_size": TP,
-               "memory_utilization": 0.9, "rank_resources": {"GPU": 1, "CPU": 4}, "replica_cpus": 1},
-    # the KV cache of each takes what memory_utilization leaves after weights and working buffers
-    "draft": {"model": "meta-llama/Llama-3.2-1B-Instruct", "dtype": "bfloat16", "memory_utilization": 0.9},
+               "memory_utilization": 0.9, "rank_resources": {"GPU": 1, "CPU": 4}, "replica_cpus": 1,
+               "max_cache_bytes": None},
+    "draft": {"model": "meta-llama/Llama-3.2-1B-Instruct", "dtype": "bfloat16", "memory_utilization": 0.9,
+              "max_cache_bytes": None},
 }
 GPU_DEPLOYMENTS = {
     "DraftServer": {"autoscaling_config": {"max_replicas": 8},

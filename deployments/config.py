@@ -21,6 +21,11 @@ class ModelConfig(BaseModel):
         0.9, gt=0, le=1, description="GPU: the fraction of the device's memory this replica (or rank) may use for "
         "weights, working buffers and KV cache together (vLLM's gpu_memory_utilization).")
     trust_remote_code: bool = Field(False, description="Run code shipped with the weights; off unless you trust them.")
+    compile: Literal["off", "default", "reduce-overhead"] = Field(
+        "off", description="Steps of up to compile_max_tokens positions as torch.compile graphs over static token "
+        "counts (powers of two), compiled before the replica takes traffic; larger forwards run eagerly. "
+        "reduce-overhead replays the graphs as CUDA graphs on a GPU. CPU needs a C++ compiler; without one, eager.")
+    compile_max_tokens: int = Field(128, ge=1, description="Largest compiled step, positions per forward.")
     torch_threads: int | None = Field(
         None, ge=1, description="torch CPU threads of each replica (and rank worker); None = Ray's default, one "
         "per whole reserved CPU. Raise it on CPU nodes with cores to spare (on a 2-core node that also runs Ray's "

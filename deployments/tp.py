@@ -100,7 +100,7 @@ class RankWorker:
             distributed_config=DistributedConfig(tp_size=world),
             trust_remote_code=cfg.trust_remote_code)
         tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=cfg.trust_remote_code)
-        self.runner = ModelRunner(model.eval(), tokenizer)
+        self.runner = ModelRunner(model.eval(), tokenizer, compile=cfg.compile)  # warns: TP runs eagerly
         # this rank's shard on this rank's device
         size_kv_budget(self.runner, cfg.memory_utilization, cfg.max_cache_bytes, forward_tokens)
         agree_on_budget(self.runner)  # ranks evicting differently would hang on mismatched collectives

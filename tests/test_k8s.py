@@ -332,11 +332,15 @@ def exposure_rules(rs: dict) -> None:
 PARAMS = {"meta-llama/Llama-3.1-70B-Instruct": 70.6e9, "meta-llama/Llama-3.2-1B-Instruct": 1.24e9}
 GPU_BYTES = {"NVIDIA-H100-80GB-HBM3": 79.1 * 2**30, "NVIDIA-L4": 22.0 * 2**30}
 DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
+# (layers, KV heads, head dim, context the ingress admits: the config's max_position_embeddings)
+SHAPES = {"meta-llama/Llama-3.1-70B-Instruct": (80, 8, 128, 131072),
+          "meta-llama/Llama-3.2-1B-Instruct": (16, 8, 64, 131072)}
 
 
 def memory_rules(rs: dict) -> None:
     """On GPU pools each model's weights (per rank), working buffers and a given KV cap fit the share of
-    its GPU's memory that memory_utilization allows (app/memory.py sizes the KV cache from the rest)."""
+    its GPU's memory that memory_utilization allows (app/memory.py sizes the KV cache from the rest), and
+    that KV cache holds the longest context the ingress admits (else admission refuses it)."""
     from app.memory import working_bytes
     from deployments.config import AppConfig
 
@@ -361,6 +365,11 @@ def memory_rules(rs: dict) -> None:
         check(need + (2 * 2**30 if kv == 0 else 0) <= allowed,
               f"{pool}: weights {weights / 2**30:.1f} GiB + buffers {working / 2**30:.1f} GiB + KV "
               f"{kv / 2**30:.1f} GiB per GPU exceed {model.memory_utilization} x {product}")
+        layers, heads, head_dim, context = SHAPES[model.model]
+        per_token = 2 * layers * heads // ranks * head_dim * DTYPE_BYTES[model.dtype]
+        tokens = (kv or allowed - weights - working) // per_token
+        check(tokens >= context, f"{pool}: a KV cache of {tokens} tokens per GPU cannot hold the {context}-token "
+              f"context the ingress admits")
 
 
 def validate(rs: dict) -> dict:
@@ -542,6 +551,8 @@ BROKEN = {
         authOptions={"mode": "token"}, rayVersion="2.50.0"),
     "KV cache beyond the GPU's memory": lambda rs: edit_serve(
         rs, lambda c, d: c["applications"][0]["args"]["target"].update(max_cache_bytes=96 << 30)),
+    "target KV cap below the admitted context": lambda rs: edit_serve(
+        rs, lambda c, d: c["applications"][0]["args"]["target"].update(max_cache_bytes=1 << 30)),
     "draft at full memory utilization with a big KV cap": lambda rs: edit_serve(
         rs, lambda c, d: c["applications"][0]["args"]["draft"].update(memory_utilization=0.5,
                                                                       max_cache_bytes=16 << 30)),

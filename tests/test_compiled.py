@@ -1,0 +1,87 @@
+"""Compiled steps (app/compiled.py): the eager forward's tokens, no compile once warm, eager where a
+compiled step cannot be trusted or built."""
+
+import logging
+
+import pytest
+import torch
+from torch._dynamo.utils import counters
+
+from app import compiled
+from app.engine import Engine
+from app.runner import ModelRunner, SeqInput
+from conftest import blend, make_model
+from test_engine import PROMPTS, greedy, reference
+
+MAX = 8  # buckets 1, 2, 4, 8: verify rows and steps compiled, the prompts (longer) eager
+
+
+@pytest.fixture(scope="module")
+def pair(target_model):
+    return target_model, blend(target_model, 7, 0.85)
+
+
+def warm_runners(pair, tokenizer, mode: str) -> list[ModelRunner]:
+    runners = [ModelRunner(m, tokenizer, compile=mode, compile_max_tokens=MAX) for m in pair]
+    for r in runners:
+        r.warm()
+    return runners
+
+
+@pytest.mark.parametrize("k", [1, 4, "auto"])
+def test_compiled_and_eager_steps_give_the_same_tokens(k, pair, tokenizer):
+    target, draft = warm_runners(pair, tokenizer, "default")
+    assert target.steps is not None and draft.steps is not None, "the compiled path failed its check"
+    assert target.steps.buckets == [1, 2, 4, 8]
+    graphs = counters["stats"]["unique_graphs"]
+    out = Engine(target, draft).generate(PROMPTS, greedy(num_tokens=k))
+    eager = Engine(*warm_runners(pair, tokenizer, "off")).generate(PROMPTS, greedy(num_tokens=k))
+    for c, e in zip(out, eager):
+        assert c.token_ids == e.token_ids == reference(pair[0], c.prompt_token_ids, 24)
+    assert counters["stats"]["unique_graphs"] == graphs, "a request waited for a compile"
+    assert max(target.steps.bucket(n) or 0 for n in range(1, 9)) == 8 and target.steps.bucket(9) is None
+
+
+def test_padded_rows_leave_the_cache_as_eager_forwards_do(pair, tokenizer):
+    """Three sequences' rows (6 tokens: bucket 8, 2 rows of padding): the logits and every cached
+    position match an eager forward's."""
+    runners = {mode: warm_runners(pair, tokenizer, mode)[0] for mode in ("default", "off")}
+    seqs = [SeqInput(f"s{i}", [5 + i, 9, 30 + i][: 1 + i % 3], 1) for i in range(3)]
+    logits = {mode: r.forward(seqs) for mode, r in runners.items()}
+    for c, e in zip(logits["default"], logits["off"]):
+        torch.testing.assert_close(c, e, rtol=1e-4, atol=1e-4)
+    for s in seqs:
+        for mode, r in runners.items():
+            assert r.cache.get(s.seq_id).token_ids == s.token_ids, mode
+        for layer in range(pair[0].config.num_hidden_layers):
+            c, e = (r.cache.read(r.cache.get(s.seq_id), layer) for r in runners.values())
+            for a, b in zip(c, e):
+                torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+
+
+def test_a_head_that_is_more_than_a_linear_stays_eager(tokenizer, caplog):
+    """A causal LM whose forward scales its logits (as some architectures do) disagrees with decoder +
+    head: the warm-up's check catches it and the runner keeps its eager forward."""
+    model = make_model(seed=3, layers=1)
+    plain = model.forward
+
+    def scaled(*args, **kwargs):
+        out = plain(*args, **kwargs)
+        out.logits = out.logits * 2
+        return out
+
+    model.forward = scaled
+    runner = ModelRunner(model, tokenizer, compile="default", compile_max_tokens=1)
+    with caplog.at_level(logging.WARNING):
+        runner.warm()
+    assert runner.steps is None
+    assert "disagree" in caplog.text
+
+
+def test_no_compiler_means_eager_with_a_warning(tokenizer, monkeypatch, caplog):
+    monkeypatch.setattr(compiled.shutil, "which", lambda name: None)
+    with caplog.at_level(logging.WARNING):
+        runner = ModelRunner(make_model(seed=3, layers=1), tokenizer, compile="default")
+    assert runner.steps is None
+    assert "no C++ compiler" in caplog.text
+    assert runner.forward([SeqInput("a", [5, 6, 7], 1)])[0].shape == (1, runner.vocab_size)
