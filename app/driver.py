@@ -130,9 +130,16 @@ class Rounds:
         if not (self.first and self.propose and self.ahead is None) or self.policy.clock() < self.draft_down_until:
             return
         k = within_room(state, self.controller.choose(*_costs(state, self.costs, self.verify_cost)), 1)
-        if k > 0:
+        if k > 0 and not self._gated():
             self._ask_ahead(list(state.token_ids), k + 1)
             self.ahead.prompt = True
+
+    def _gated(self) -> bool:
+        """Whether the engine's measured gate holds this sequence to plain steps now (controller.GoodputGate):
+        only where output does not depend on K (greedy or unseeded, K not pinned)."""
+        params, gate = self.state.params, self.costs.gate
+        flexible = (params.greedy or params.seed is None) and params.speculation.pinned_k() is None
+        return gate is not None and flexible and not gate.allows()
 
     async def next(self) -> tuple[Verdict, RoundFacts]:
         """One round: choose K, get a proposal (drafted ahead, or now, or none), verify, learn."""
@@ -154,6 +161,9 @@ class Rounds:
             facts.prompt = True
             return verdict, facts
         wanted = self.controller.choose(*_costs(state, self.costs, self.verify_cost)) if self.propose else 0
+        gated = wanted > 0 and self._gated()
+        if gated:
+            wanted = 0
         k = within_room(state, wanted)
         proposal, fallback, ahead_hit, t_draft = Proposal.empty(), None, None, 0.0
         beside_prompt = False  # the proposal was asked beside the prompt's prefill
@@ -201,7 +211,8 @@ class Rounds:
             if beside_prompt:
                 ahead_hit = None
         elif wanted == 0 and self.propose and state.params.speculation.pinned_k() != 0:
-            fallback = "controller"  # speculation is on, but the controller found it would not pay
+            # speculation is on, but the controller found it would not pay, or plain steps measured faster
+            fallback = "goodput" if gated else "controller"
         if fallback != "draft_behind":
             self._cancel_ahead()
         if proposal.tokens and self.policy.ahead and proposal.guess is not None:
@@ -278,7 +289,7 @@ class Rounds:
         likely = copy.deepcopy(self.controller)
         likely.observe(len(proposal.tokens), len(proposal.tokens))
         k = within_room(state, likely.choose(*_costs(state, self.costs, self.verify_cost)), emitted)
-        if k <= 0:
+        if k <= 0 or self._gated():
             return
         self._ask_ahead(state.token_ids + proposal.tokens + [proposal.guess], k)
 
@@ -354,6 +365,7 @@ async def run_rounds(
     company: Callable[[], bool] = lambda: False,
     prefill_chunk: int | None = None,
     cached: int = 0,
+    load: Callable[[], int] = lambda: 1,
 ) -> AsyncIterator[list[int]]:
     """Drive rounds until the request stops; yields the tokens each round kept.
 
@@ -362,7 +374,7 @@ async def run_rounds(
     request that wants its prompt's logprobs (and has streamed nothing yet) has its whole prompt
     prefilled so, each chunk scoring its tokens. `cached`: context positions the target holds for
     the sequence already (another sequence prefilled the same context: app.engine), not prefilled again.
-    Each round is a span (child of `trace_parent`) and is reported to `observer`.
+    `load`: the engine's sequences in flight, for the goodput gate's measure. Each round is a span (child of `trace_parent`) and is reported to `observer`.
     """
     rounds = Rounds(state, propose, verify, controller, costs, verify_cost, policy, company)
     rounds.cached = cached
@@ -389,6 +401,8 @@ async def run_rounds(
                 verdict, facts = await rounds.next()
                 telemetry.set_attributes(span, telemetry.round_attributes(facts))
             observer.round(facts)
+            if costs.gate is not None:
+                costs.gate.emitted(len(verdict.tokens), load())
             state.stats.record(verdict.drafted, verdict.accepted, len(verdict.tokens), facts.fallback is not None,
                                facts.batch_size, facts.ahead_hit, facts.prompt)
             state.stats.time(facts)

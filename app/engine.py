@@ -15,7 +15,7 @@ from pydantic import BaseModel, Field
 
 from app import telemetry
 from app.compat import check_vocabularies
-from app.controller import CostEstimator, KController, KControllerConfig
+from app.controller import CostEstimator, GoodputGate, KController, KControllerConfig
 from app.driver import DraftPolicy, VerifyFn, run_rounds
 from app.errors import InvalidRequestError
 from app.forward_queue import ForwardQueue, in_thread
@@ -92,7 +92,9 @@ class Engine:
                  k_max: int = 8, draft_top_n: int = 32, policy: DraftPolicy | None = None,
                  verify_cost: Callable[[], float] = lambda: 0.0, prefill_chunk: int | None = 512,
                  max_batch_tokens: int | None = MAX_BATCH_TOKENS, eos_ids: frozenset[int] | None = None,
-                 kv_capacity: int | None = None):
+                 kv_capacity: int | None = None, goodput_gate: bool = False):
+        """goodput_gate: measure whether speculating emits more tokens per second than plain steps at
+        the current load, and take plain steps where it does not (app/controller.py, GoodputGate)."""
         # the local runners, when in process (benchmarks read their models); None when remote
         self.target = target if isinstance(target, ModelRunner) else None
         self.draft = draft if isinstance(draft, ModelRunner) else None
@@ -119,7 +121,7 @@ class Engine:
         self.k_max = k_max
         self.policy = policy or DraftPolicy()
         self.verify_cost = verify_cost
-        self.costs = CostEstimator()
+        self.costs = CostEstimator(gate=GoodputGate() if goodput_gate else None)
         self.active = 0  # requests whose rounds run now: with company, a round never waits for the draft
         self.prefill_chunk = prefill_chunk  # most prompt tokens a sequence adds to one target forward
         self.prefills = SharedPrefills()  # contexts being prefilled now: same-context sequences wait, then borrow
@@ -187,7 +189,7 @@ class Engine:
             async for kept in run_rounds(state, self.drafter.submit if self.drafter else None, verify,
                                          controller or self.controller(state.params), self.costs, self.verify_cost,
                                          observer, trace_parent, self.policy, lambda: self.active > 1,
-                                         self.prefill_chunk, cached):
+                                         self.prefill_chunk, cached, lambda: self.active):
                 yield kept
         finally:
             prefilled(False)  # a leader that ends (fails, is cancelled) before its prefill releases its waiters

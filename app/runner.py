@@ -120,16 +120,18 @@ class ModelRunner:
             return None
         return CompiledSteps(self.model, mode, min(max_tokens, self.max_forward_tokens))
 
-    def warm(self) -> None:
+    def warm(self, progress=None) -> None:
         """Compile every bucket now, so no request waits for a compile, then check the compiled path
-        against the eager one (`check_compiled`). Logs each bucket: the first compile on a machine takes
-        seconds per bucket (inductor caches them on disk for the next start)."""
+        against the eager one (`check_compiled`). Says each bucket through `progress(message)` (default:
+        this module's log): the first compile on a machine takes seconds per bucket (inductor caches
+        them on disk for the next start)."""
+        progress = progress or log.info
         if not self.steps:
             return
         name = getattr(self.model.config, "_name_or_path", "") or type(self.model).__name__
         with torch.inference_mode(), active(Layout([], self.pool())):
             for i, n in enumerate(self.steps.buckets):
-                log.info("compiling %s's step for %d tokens (%d/%d)", name, n, i + 1, len(self.steps.buckets))
+                progress(f"compiling {name}'s step for {n} tokens ({i + 1}/{len(self.steps.buckets)})")
                 ids, positions = (torch.zeros(1, n, dtype=torch.long, device=self.device) for _ in range(2))
                 self.steps.graph(ids, positions)
         self.check_compiled()

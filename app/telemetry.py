@@ -18,7 +18,7 @@ from opentelemetry import propagate, trace
 from opentelemetry.trace import Span, SpanKind
 
 TRACER_NAME = "specserve"
-FALLBACK_REASONS = ("draft_unavailable", "deadline", "controller", "draft_behind")
+FALLBACK_REASONS = ("draft_unavailable", "deadline", "controller", "draft_behind", "goodput")
 
 _tracer: trace.Tracer | None = None  # None = tracing off
 

@@ -59,6 +59,11 @@ class SpeculationConfig(BaseModel):
     draft_ahead: bool = Field(
         True, description="While a round verifies, draft the next one for the likely outcome (all accepted, bonus = "
         "the draft's guess); exact, it only hides the draft's time. Costs one more draft step per round.")
+    goodput_gate: bool = Field(
+        False, description="Measure whether speculating emits more tokens per second than plain steps at the "
+        "current load (windows of 0.5 s, per load level, the slower mode retried one window in five), and take "
+        "plain steps where it does not. For a draft that shares the target's cores. Greedy and unseeded "
+        "requests only; exact either way.")
     verify_saturation_tokens: int = Field(
         64, gt=0, description="Tokens per target batch beyond which verifying more costs time (load-aware K).")
 

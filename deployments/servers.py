@@ -8,6 +8,7 @@ The classes carry no @serve.deployment: build_app applies it with options from t
 
 import asyncio
 import functools
+import logging
 import sys
 from collections.abc import AsyncIterator
 
@@ -48,7 +49,7 @@ def load_runner(cfg: ModelConfig, path: str, forward_tokens: int) -> ModelRunner
     runner = ModelRunner.from_pretrained(path, dtype=cfg.dtype, device=device, trust_remote_code=cfg.trust_remote_code,
                                          compile=cfg.compile, compile_max_tokens=cfg.compile_max_tokens)
     size_kv_budget(runner, cfg.memory_utilization, cfg.max_cache_bytes, forward_tokens)
-    runner.warm()
+    runner.warm(logging.getLogger("ray.serve").info)  # the replica's log shows each compile
     warm_up(runner)
     return runner
 
@@ -181,7 +182,8 @@ class TargetServer(_Server):
         self.engine = Engine(self.queue, DraftClient(draft, max_batch=None) if draft is not None else None,
                              tokenizer=tokenizer, vocab_size=vocab, max_context=max_context,
                              k_max=speculation.k_max, policy=policy, verify_cost=self._verify_cost,
-                             prefill_chunk=batch.prefill_chunk_tokens, eos_ids=eos, kv_capacity=kv_capacity)
+                             prefill_chunk=batch.prefill_chunk_tokens, eos_ids=eos, kv_capacity=kv_capacity,
+                             goodput_gate=speculation.goodput_gate)
 
     @staticmethod
     async def _connect(draft) -> None:

@@ -7,6 +7,7 @@ import pytest
 from app.controller import (
     CostConfig,
     CostEstimator,
+    GoodputGate,
     KController,
     KControllerConfig,
     expected_accepted_length,
@@ -256,3 +257,63 @@ def test_a_slow_hop_is_a_fixed_cost_that_a_longer_k_amortises():
         controller.observe(4, 3)  # alpha ~ 0.75
     assert controller.choose(split.c, 0.0, split.overhead) >= 4
     assert controller.choose(lumped.c) < controller.choose(split.c, 0.0, split.overhead)
+
+
+# --- the goodput gate: speculate only where it measures faster than plain steps ---------------------
+class Clock:
+    def __init__(self):
+        self.t = 0.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def windows(gate: GoodputGate, clock: Clock, rate: dict[bool, float], n: int, active: int = 1) -> list[bool]:
+    """Run n windows of eight rounds, emitting tokens at rate[mode] (tokens/s); the mode of each."""
+    modes = []
+    for _ in range(n):
+        mode = gate.allows()
+        modes.append(mode)
+        for _ in range(8):
+            clock.t += gate.window_s / 8  # exact in binary: a window ends on its eighth round
+            gate.emitted(round(rate[mode] * gate.window_s / 8), active)
+    return modes
+
+
+def test_the_gate_keeps_speculating_where_it_is_faster_and_retries_plain_steps():
+    clock = Clock()
+    gate = GoodputGate(clock=clock)
+    modes = windows(gate, clock, {True: 320.0, False: 192.0}, 22)
+    assert modes[:3] == [True, False, True]  # each mode measured once at this load, then the faster
+    assert modes.count(False) == 5  # the slower one retried one window in five (after the first two)
+    assert gate.rates[(True, 0)] == pytest.approx(320.0) and gate.rates[(False, 0)] == pytest.approx(192.0)
+
+
+def test_the_gate_takes_plain_steps_where_they_are_faster():
+    clock = Clock()
+    gate = GoodputGate(clock=clock)
+    modes = windows(gate, clock, {True: 150.0, False: 200.0}, 22)
+    assert modes[:3] == [True, False, False]
+    assert modes.count(True) == 5
+
+
+def test_the_gate_decides_per_load():
+    """Faster to speculate alone, slower with 16 sequences in flight: each load level has its own answer."""
+    clock = Clock()
+    gate = GoodputGate(clock=clock)
+    windows(gate, clock, {True: 300.0, False: 200.0}, 6, active=1)
+    busy = windows(gate, clock, {True: 600.0, False: 800.0}, 8, active=16)
+    assert busy[-5:].count(False) >= 4
+    alone = windows(gate, clock, {True: 300.0, False: 200.0}, 4, active=1)
+    assert alone[1:].count(True) >= 2  # back to speculating once the load is back (the first window was busy's)
+    assert gate.rates[(True, 4)] < gate.rates[(False, 4)] and gate.rates[(True, 0)] > gate.rates[(False, 0)]
+
+
+def test_an_idle_gap_measures_nothing():
+    clock = Clock()
+    gate = GoodputGate(clock=clock)
+    gate.allows()
+    gate.emitted(5, 1)
+    clock.t += 10 * gate.window_s  # no rounds for a while: the window's rate would be meaningless
+    gate.emitted(5, 1)
+    assert gate.rates == {} and gate.allows()

@@ -6,7 +6,7 @@ import collections
 
 import pytest
 
-from app.controller import CostEstimator
+from app.controller import CostEstimator, GoodputGate
 from app.driver import DraftPolicy, DraftUnavailable
 from app.engine import Engine
 from app.forward_queue import ForwardQueue
@@ -408,3 +408,32 @@ def test_a_seeded_request_asks_again_so_a_dead_draft_replica_changes_nothing(eng
     alone = eng.generate([PROMPTS[0]], seeded(7))[0]
     assert len(alone.token_ids) == len(undisturbed[0].token_ids)
     assert alone.speculation["fallback_rounds"] > 0
+
+
+class PlainFaster(GoodputGate):
+    """A gate that has measured plain steps faster at every load."""
+
+    def allows(self) -> bool:
+        return False
+
+
+def test_where_the_gate_measured_plain_steps_faster_flexible_requests_never_call_the_draft(
+        target_model, tokenizer, draft_model, reference):
+    eng = Engine(ModelRunner(target_model, tokenizer), ModelRunner(draft_model, tokenizer), k_max=6,
+                 policy=DraftPolicy(ahead=True), goodput_gate=True)
+    eng.costs = DraftLags(gate=PlainFaster())
+    out = eng.generate([PROMPTS[0], PROMPTS[2]], greedy())
+    assert [r.token_ids for r in out] == [reference[tuple(PROMPTS[0])], reference[tuple(PROMPTS[2])]]
+    assert all(r.speculation["drafted_tokens"] == 0 for r in out)
+    assert not eng.drafter.batch_sizes  # not beside the prefill, not ahead: the draft never ran
+    # a pinned K and a seeded sampled request are the user's and the request's own: not gated
+    pinned = eng.generate([PROMPTS[0]], greedy(num_tokens=3))[0]
+    seeded = eng.generate([PROMPTS[0]], SamplingParams(temperature=0.8, seed=5, max_tokens=12, ignore_eos=True))[0]
+    assert pinned.token_ids == reference[tuple(PROMPTS[0])]
+    assert pinned.speculation["drafted_tokens"] > 0 and seeded.speculation["drafted_tokens"] > 0
+
+
+def test_an_engine_without_the_gate_never_consults_one(engine):
+    eng = engine()
+    assert eng.costs.gate is None
+    assert eng.generate([PROMPTS[0]], greedy())[0].speculation["drafted_tokens"] > 0
