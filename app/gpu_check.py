@@ -9,7 +9,12 @@ architecture, with random weights scaled so its distributions are peaked like a 
    rounding step of each other, i.e. the tie is one that batched and stepwise forwards may break
    differently; any other difference fails.
 2. sampling: the rejection sampler on the device reproduces p (chi-square over many seeded draws).
-3. benchmark: a Llama-shaped target of about 1B parameters and a 2-layer draft in bf16 (float32 on a
+3. served path: the engine pieces a served replica runs, together: a batch of requests (two share a
+   long prompt, so the second borrows the first's KV blocks by reference), drafting ahead, paged
+   KV, and compiled steps (`compile="default"`, then the CUDA-graph mode `reduce-overhead` on a
+   GPU); greedy output equals the eager engine's and HF `generate`'s, and the compiled step's time
+   is set against the eager one's.
+4. benchmark: a Llama-shaped target of about 1B parameters and a 2-layer draft in bf16 (float32 on a
    CPU without native bf16, where the bf16 identity check is skipped too: `app.dtypes`); the K+1
    verify cost against one step at batch 1, 8 and 32, the cost ratio c, and tok/s of speculative
    decoding against HF `generate` and HF assisted generation.
@@ -27,8 +32,10 @@ from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
 from app import dtypes
 from app.bench import K_MATCHED, MODES, Mode, forward_ms, run_engine, run_hf
+from app.driver import DraftPolicy
 from app.engine import Engine
-from app.runner import ModelRunner
+from app.params import SamplingParams
+from app.runner import ModelRunner, SeqInput
 from app.sampling import process_logits, rejection_sample
 
 VOCAB = 32000
@@ -137,7 +144,63 @@ def check_sampling(device: str, smoke: bool) -> dict:
     return {"draws": n, "acceptance": accepted.double().mean().item(), "chi2_pvalue": pvalue, "ok": pvalue > 1e-4}
 
 
-# --- 3. benchmark ------------------------------------------------------------------------------
+# --- 3. the served path's engine pieces ---------------------------------------------------------
+
+@torch.inference_mode()
+def step_ms(runner: ModelRunner, batch: int, context: int, steps: int) -> float:
+    """Milliseconds of one ragged step of `batch` sequences of `context` cached positions (synced)."""
+    seqs = [SeqInput(f"step-{i}", prompts(1, context, runner.vocab_size, seed=i)[0], 1) for i in range(batch)]
+    runner.forward(seqs)
+
+    def step():
+        rows = [SeqInput(s.seq_id, s.token_ids + [2], 1) for s in seqs]
+        b = runner.open(rows)
+        b.close([len(s.token_ids) for s in seqs])
+    step()
+    sync = torch.cuda.synchronize if runner.device.type == "cuda" else (lambda: None)
+    sync()
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        step()
+    sync()
+    for s in seqs:
+        runner.forget(s.seq_id)
+    return (time.perf_counter() - t0) / steps * 1e3
+
+
+def check_served_path(device: str, smoke: bool) -> dict:
+    layers, hidden, vocab, n_tokens = (2, 64, 512, 16) if smoke else (4, 512, VOCAB, 48)
+    target = llama(layers, hidden, vocab, 1, torch.float32, device)
+    draft = blend(target, 1, 2, torch.float32, device)
+    tok = tokenizer(vocab)
+    shared = prompts(1, 48, vocab, seed=5)[0]
+    batch = [shared, shared + prompts(1, 8, vocab, seed=6)[0]] + prompts(4 if smoke else 14, 40, vocab, seed=9)
+    params = SamplingParams(temperature=0, max_tokens=n_tokens, ignore_eos=True, speculation={"num_tokens": 4})
+    ref = [run_hf(Engine(ModelRunner(target, tok)), ids, MODES["hf-target"], n_tokens).tokens for ids in batch]
+    report = {"batch": len(batch), "modes": {}}
+    for mode in ["off", "default"] + (["reduce-overhead"] if device.startswith("cuda") else []):
+        runners = [ModelRunner(m, tok, compile=mode, compile_max_tokens=64) for m in (target, draft)]
+        for r in runners:
+            r.warm()
+        engine = Engine(*runners, policy=DraftPolicy(ahead=True))
+        engine.generate([shared], params)  # its blocks stay as a prefix donor: the second prompt borrows them
+        out = engine.generate([list(ids) for ids in batch], params)
+        spec = [r.speculation for r in out]
+        report["modes"][mode] = {
+            "compiled": runners[0].steps is not None,
+            "identical": sum(r.token_ids == t for r, t in zip(out, ref)),
+            "prefix_hit_tokens": runners[0].cache.prefix_hit_tokens,
+            "kv_blocks_held": runners[0].cache.pool.num_blocks - runners[0].cache.pool.free,
+            "draft_ahead_hit_rate": sum(s["draft_ahead_hit_rate"] for s in spec) / len(spec),
+            "step_ms": {b: step_ms(runners[0], b, 32 if smoke else 512, 3 if smoke else 20) for b in (1, 8)},
+        }
+    modes = report["modes"].values()
+    report["ok"] = all(m["identical"] == len(batch) and m["prefix_hit_tokens"] > 0 for m in modes) and all(
+        m["compiled"] for name, m in report["modes"].items() if name != "off")
+    return report
+
+
+# --- 4. benchmark ------------------------------------------------------------------------------
 
 def benchmark(device: str, smoke: bool) -> dict:
     dtype = torch.float32 if smoke else dtypes.compute_dtype(device)  # bf16 where the device does it natively
@@ -180,6 +243,7 @@ def main(argv: list[str] | None = None) -> int:
              ("identity_bf16", lambda: check_identity(torch.bfloat16, args.device, args.smoke)
               if dtypes.native_bf16(args.device) else {"ok": True, "skipped": NO_NATIVE_BF16}),
              ("sampling", lambda: check_sampling(args.device, args.smoke)),
+             ("served_path", lambda: check_served_path(args.device, args.smoke)),
              ("benchmark", lambda: benchmark(args.device, args.smoke))]
     for name, run in steps:
         t0 = time.perf_counter()

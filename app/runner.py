@@ -20,6 +20,7 @@ from app.request import tokenizer_eos_ids
 
 log = logging.getLogger(__name__)
 
+
 def weights_dtype(name_or_path: str, dtype: str, device: str = "cpu", trust_remote_code: bool = False) -> torch.dtype:
     """The dtype to load a checkpoint in for a configured `dtype` on `device` (`app.dtypes.resolve`:
     "auto" is the checkpoint's own where the device computes it natively, else float32)."""

@@ -14,6 +14,9 @@ def test_the_gpu_check_runs_end_to_end_at_smoke_sizes(tmp_path):
     report = json.loads(out.read_text())
     assert report["identity_fp32"]["identical"] == report["identity_fp32"]["prompts"] > 0
     assert report["sampling"]["chi2_pvalue"] > 1e-4
+    served = report["served_path"]["modes"]
+    assert set(served) == {"off", "default"} and served["default"]["compiled"]  # reduce-overhead: CUDA only
+    assert all(m["identical"] == report["served_path"]["batch"] and m["prefix_hit_tokens"] > 0 for m in served.values())
     bench = report["benchmark"]
     assert set(bench["costs_by_batch"]) == {"1", "8", "32"} and bench["c"] > 0
     assert set(bench["tokens_per_s"]) == {"speculative K=4", "speculative auto", "HF generate", "HF assisted K=4"}
