@@ -3,7 +3,7 @@
 Every deployment call costs milliseconds of Ray and Serve bookkeeping, so a target replica
 coalesces its sequences' proposals into one call to the draft pool per turn (Serve has no
 client-side batching); with serial=True the same batcher is each server's forward queue
-(app/forward_queue.py).
+(app/scheduler.py).
 """
 
 import asyncio

@@ -18,7 +18,7 @@ from app.compat import check_vocabularies
 from app.controller import CostEstimator, GoodputGate, KController, KControllerConfig
 from app.driver import DraftPolicy, VerifyFn, run_rounds
 from app.errors import InvalidRequestError
-from app.forward_queue import ForwardQueue, in_thread
+from app.scheduler import ForwardQueue, in_thread
 from app.grammar import Grammars, grammar_of
 from app.kv import PREFIX_BLOCK
 from app.memory import size_kv_budget

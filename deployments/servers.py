@@ -19,7 +19,7 @@ from ray import serve
 from app import telemetry
 from app.driver import DraftPolicy
 from app.engine import Engine
-from app.forward_queue import ForwardQueue, in_thread
+from app.scheduler import ForwardQueue, in_thread
 from app.memory import size_kv_budget
 from app.request import GenerationJob
 from app.runner import ModelRunner, SeqInput, eos_ids, load_generation_config

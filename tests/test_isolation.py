@@ -10,7 +10,7 @@ import torch
 from ray.exceptions import ActorDiedError, RayTaskError
 
 from app.errors import ReplicaFault
-from app.forward_queue import ForwardQueue, in_thread
+from app.scheduler import ForwardQueue, in_thread
 from app.params import SamplingParams
 from app.runner import ModelRunner
 from app.spec import Proposal, VerifyItem, propose, verify, ProposeItem

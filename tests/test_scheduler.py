@@ -9,7 +9,7 @@ import pytest
 from app.controller import CostEstimator, GoodputGate
 from app.driver import DraftPolicy, DraftUnavailable
 from app.engine import Engine
-from app.forward_queue import ForwardQueue
+from app.scheduler import ForwardQueue
 from app.params import SamplingParams
 from app.request import GenerationJob
 from app.runner import ModelRunner, SeqInput

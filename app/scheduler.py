@@ -1,9 +1,26 @@
-"""A model's forward queue: the one batching layer of a server.
+"""The scheduler: what each forward of a model computes, and when.
 
-Every round that needs the model (a verify, a proposal) is submitted here; the queue runs one
-forward at a time, in a worker thread so the event loop keeps streaming and calling other pools,
-over everything that waited for it. Batches therefore grow with the load and never wait for a
-timer: this is continuous batching at round granularity.
+Invariant. A model runs one forward at a time. Every item submitted while it runs (a verify round,
+a draft proposal, a prompt chunk) goes into the next forward, up to `max_tokens` positions
+(`target_batch.max_batch_tokens`), items left out last time first, then the cheapest: rounds
+before prompt chunks. So:
+- a forward never waits for a timer, and batches grow with the load (continuous batching at round
+  granularity);
+- a sequence with a round waiting is in the next forward unless that forward's budget is full, and
+  then in the one after;
+- no forward computes more positions than the budget the memory model sized its buffers for
+  (app/memory.py), except a single item larger than it (a runner prefills such a context in
+  chunks of `max_forward_tokens` first: `ModelRunner.prefill`).
+
+What is submitted is decided elsewhere, and keeps the invariant useful:
+- a prompt longer than `prefill_chunk` enters chunk by chunk, each chunk one item in one forward
+  beside the other sequences' rounds (app/driver.py, `run_rounds`);
+- a greedy or unseeded round with company never waits for its draft: it takes a plain step
+  instead of holding its place (app/driver.py, "never wait with company").
+
+Here: the queue (`ForwardQueue`) over app/batching.py's serial batcher, which applies the budget
+and the order. The forward runs in a worker thread, so the event loop keeps streaming and calling
+other pools.
 """
 
 import asyncio
