@@ -506,6 +506,8 @@ def add_bench_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--draft-dtype", default="float32", help="draft dtype")
     p.add_argument("--device", default="cpu", help="torch device of both models")
     p.add_argument("--threads", type=int, help="torch CPU threads (default: torch's; 1 is steadier on a busy machine)")
+    p.add_argument("--compile", default="off", choices=["off", "default", "reduce-overhead"],
+                   help="in process: both models' steps as compiled graphs (app/compiled.py), compiled before timing")
     p.add_argument("--draft-ahead", action="store_true",
                    help="in process: draft round n+1 while round n verifies (off by default: EngineConfig.draft_ahead)")
     p.add_argument("--modes", help=f"comma-separated subset of: {', '.join(MODES)} (default: all); with --url: "
@@ -531,7 +533,7 @@ def _load(args) -> Engine:
         demo_target, demo_draft = demo_pair(quick=args.quick)
         target, draft = target or demo_target, draft or demo_draft
     return Engine.from_pretrained(target, draft, dtype=args.dtype, draft_dtype=args.draft_dtype, device=args.device,
-                                  draft_ahead=args.draft_ahead)
+                                  draft_ahead=args.draft_ahead, compile=args.compile)
 
 
 def bench_cli(args) -> int:
