@@ -111,11 +111,14 @@ class BlockPool:
     count per block; free blocks as a byte map (1 = free), searched for runs at C speed."""
 
     def __init__(self, layers: int, heads: int, head_dim: int, dtype: torch.dtype, device: torch.device,
-                 num_blocks: int):
+                 num_blocks: int, zeroed: bool = False):
         shape = (heads, num_blocks * BLOCK_SIZE, head_dim)
-        # empty, not zeros: a CPU allocation is only committed as blocks are written
-        self.keys = [torch.empty(shape, dtype=dtype, device=device) for _ in range(layers)]
-        self.values = [torch.empty(shape, dtype=dtype, device=device) for _ in range(layers)]
+        # empty, not zeros: a CPU allocation is only committed as blocks are written. zeroed: for
+        # attention that reads whole blocks of the pool and masks (FlexAttention), where a never-written
+        # slot's garbage could be NaN, and a masked NaN value still makes 0 * NaN
+        new = torch.zeros if zeroed else torch.empty
+        self.keys = [new(shape, dtype=dtype, device=device) for _ in range(layers)]
+        self.values = [new(shape, dtype=dtype, device=device) for _ in range(layers)]
         self.num_blocks = num_blocks
         self.refs = [0] * num_blocks
         self.free_map = bytearray(b"\x01") * num_blocks
@@ -211,11 +214,12 @@ class KVStore:
         self._lock = threading.RLock()
 
     # -- the pool ---------------------------------------------------------------------------------
-    def configure(self, layers: int, heads: int, head_dim: int, dtype: torch.dtype, device: torch.device) -> BlockPool:
+    def configure(self, layers: int, heads: int, head_dim: int, dtype: torch.dtype, device: torch.device,
+                  zeroed: bool = False) -> BlockPool:
         """The pool, made on first use at the budget's size (the same shapes every later call)."""
         if self.pool is None:
             per_block = 2 * layers * heads * BLOCK_SIZE * head_dim * torch.finfo(dtype).bits // 8
-            self.pool = BlockPool(layers, heads, head_dim, dtype, device, max(1, self.max_bytes // per_block))
+            self.pool = BlockPool(layers, heads, head_dim, dtype, device, max(1, self.max_bytes // per_block), zeroed)
         return self.pool
 
     @property

@@ -18,6 +18,11 @@ as an opaque call, so the graph has no break and no shape that depends on the ba
 composition. The op reads the forward's Layout from the thread that runs it (`active()`): a
 compiled graph's inputs are tensors, not Python objects. It is tagged unsafe for CUDA graphs, so a
 captured step (mode "reduce-overhead") replays the kernels around it and calls it live.
+
+Inside the op, attention is one SDPA call per sequence over its blocks in place (CPUs: what measured
+fastest, app/kv_bench.py), or one FlexAttention call per layer over the whole pool, with a block mask
+built once per forward from the block tables (GPUs: no per-sequence calls, no dense mask, no gather;
+`ModelRunner(attention=...)`, auto = flex on CUDA). Both run on a CPU, and the tests check them.
 """
 
 import threading
@@ -29,7 +34,7 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
 
-from app.kv import BlockPool, SequenceCache
+from app.kv import BLOCK_SIZE, BlockPool, SequenceCache
 
 NAME = "specserve_ragged"
 LAYOUT = "specserve_layout"  # the forward's keyword argument saying it runs over the active Layout
@@ -61,10 +66,16 @@ class Span:
 
 class Layout:
     """The packed row's sequences; the model's cache for one forward: it writes every sequence's new
-    keys and values into their blocks with one indexed copy per layer, and attention reads them there."""
+    keys and values into their blocks with one indexed copy per layer, and attention reads them there.
 
-    def __init__(self, spans: list[Span], pool: BlockPool):
-        self.spans, self.pool = spans, pool
+    flex: attention is one FlexAttention call per layer over the whole pool, its block mask built once
+    per forward from the block tables (what a GPU wants: no per-sequence calls, no dense mask, no
+    gather). Otherwise one SDPA call per sequence over its blocks in place (what a CPU wants:
+    app/kv_bench.py)."""
+
+    def __init__(self, spans: list[Span], pool: BlockPool, flex: bool = False):
+        self.spans, self.pool, self.flex = spans, pool, flex
+        self._mask = None  # (padded row length, BlockMask) of the flex path, built by the first layer
         device = pool.keys[0].device
         self.slots = torch.tensor([slot for s in spans for slot in s.entry.slots(s.start, s.start + s.length)],
                                   dtype=torch.long, device=device)
@@ -80,6 +91,36 @@ class Layout:
         self.pool.keys[layer].index_copy_(1, self.slots, keys[0, :, :n])
         self.pool.values[layer].index_copy_(1, self.slots, values[0, :, :n])
 
+    def block_mask(self, rows: int):
+        """The flex path's mask over (row position, pool slot): a query of sequence i at absolute
+        position p sees slot x when x's block is in i's table at index j and j * BLOCK_SIZE + x % BLOCK_SIZE
+        <= p. Padding rows (past the layout's tokens) see nothing. Built once per forward, before it runs
+        (ModelRunner: a compiled step's op cannot build it)."""
+        if self._mask is not None and self._mask[0] == rows:
+            return self._mask[1]
+        from torch.nn.attention.flex_attention import create_block_mask
+
+        device, n_blocks = self.slots.device, self.pool.num_blocks
+        seq = torch.full((rows,), -1, dtype=torch.long, device=device)  # the row's sequence, -1: padding
+        pos = torch.zeros(rows, dtype=torch.long, device=device)  # the row's absolute position
+        logical = torch.full((max(1, len(self.spans)), n_blocks), -1, dtype=torch.long, device=device)
+        for i, s in enumerate(self.spans):
+            seq[s.offset : s.offset + s.length] = i
+            pos[s.offset : s.offset + s.length] = torch.arange(s.start, s.start + s.length, device=device)
+            table = s.entry.blocks[: -(-(s.start + s.length) // BLOCK_SIZE)]
+            logical[i, torch.tensor(table, dtype=torch.long, device=device)] = torch.arange(len(table), device=device)
+
+        def visible(b, h, q, kv):
+            i = seq[q]
+            j = logical[i.clamp(min=0), kv // BLOCK_SIZE]
+            return (i >= 0) & (j >= 0) & (j * BLOCK_SIZE + kv % BLOCK_SIZE <= pos[q])
+
+        # compiled on a GPU: the eager builder materialises rows x pool slots booleans
+        mask = create_block_mask(visible, None, None, rows, n_blocks * BLOCK_SIZE, device=device,
+                                 _compile=device.type == "cuda")
+        self._mask = (rows, mask)
+        return mask
+
     def kv(self, s: Span, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """A span's keys and values of every position it attends to, [1, H, end, D]: read in place when
         its blocks are one run of the pool, else gathered."""
@@ -91,6 +132,27 @@ class Layout:
 
 
 _local = threading.local()  # the Layout of the forward this thread runs
+
+
+def flex_attention(query, key, value, **kwargs):
+    """torch's FlexAttention, compiled on first use on a GPU (its fused kernel); eager elsewhere, where
+    it runs torch's reference implementation (the CPU tests' path: exact, not fast).
+
+    Called from a compiled step, this op's kernel runs with every dispatch key above the backend
+    excluded (AOTAutograd's runtime), and FlexAttention, a higher-order op, needs them to dispatch:
+    the thread's ordinary key sets are restored around it."""
+    global _flex_compiled
+    from torch.nn.attention.flex_attention import flex_attention as flex
+
+    if query.device.type == "cuda":
+        _flex_compiled = _flex_compiled or torch.compile(flex, dynamic=False)
+        flex = _flex_compiled
+    with torch._C._ForceDispatchKeyGuard(_INCLUDE, _EXCLUDE):
+        return flex(query, key, value, **kwargs)
+
+
+_flex_compiled = None
+_INCLUDE, _EXCLUDE = torch._C._dispatch_tls_local_include_set(), torch._C._dispatch_tls_local_exclude_set()
 
 
 @contextmanager
@@ -111,8 +173,12 @@ def attend(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, layer: i
     rows past the layout's tokens (a compiled step's padding) come out zero."""
     layout: Layout = _local.layout
     layout.write(key, value, layer)
-    out = torch.zeros_like(query)
     gqa = query.shape[1] != key.shape[1]
+    if layout.flex:
+        k, v = layout.pool.keys[layer].unsqueeze(0), layout.pool.values[layer].unsqueeze(0)  # [1, H, slots, D]
+        out = flex_attention(query, k, v, block_mask=layout.block_mask(query.shape[2]), scale=scale, enable_gqa=gqa)
+        return out.transpose(1, 2).contiguous()
+    out = torch.zeros_like(query)
     for s in layout.spans:
         k, v = layout.kv(s, layer)
         q = query[:, :, s.offset : s.offset + s.length]  # [1, Hq, n, D]

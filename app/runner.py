@@ -78,7 +78,8 @@ class ModelRunner:
     """Runs one model over many sequences at once, reusing each sequence's cached prefix."""
 
     def __init__(self, model: PreTrainedModel, tokenizer, *, max_cache_bytes: int = 1 << 30, pack: bool = False,
-                 max_forward_tokens: int = 2048, compile: str = "off", compile_max_tokens: int = 128):
+                 max_forward_tokens: int = 2048, compile: str = "off", compile_max_tokens: int = 128,
+                 attention: str = "auto"):
         self.model = model
         # positions one forward computes at most (what the memory model sized working buffers for): a
         # context with more uncached positions is prefilled in chunks first (prefill())
@@ -97,6 +98,11 @@ class ModelRunner:
         self.ragged = supports_ragged(model)
         if self.ragged:
             model.config._attn_implementation = RAGGED
+        # ragged attention as one FlexAttention call per layer over the block pool (a GPU), or one SDPA
+        # call per sequence over its blocks in place (a CPU: app/ragged.py, app/kv_bench.py)
+        if attention not in ("auto", "flex", "per_sequence"):
+            raise ValueError(f"attention must be auto, flex or per_sequence, got {attention!r}")
+        self.flex = attention == "flex" or (attention == "auto" and self.device.type == "cuda")
         # compiled steps over static token counts (app/compiled.py): ragged forwards of one device only
         self.steps = self._compiled(compile, compile_max_tokens)
         # CPU eager serving: linears on oneDNN-prepacked weights (app/cpu_linear.py); same maths, 2-3x
@@ -130,9 +136,11 @@ class ModelRunner:
         if not self.steps:
             return
         name = getattr(self.model.config, "_name_or_path", "") or type(self.model).__name__
-        with torch.inference_mode(), active(Layout([], self.pool())):
+        with torch.inference_mode(), active(Layout([], self.pool(), self.flex)) as layout:
             for i, n in enumerate(self.steps.buckets):
                 progress(f"compiling {name}'s step for {n} tokens ({i + 1}/{len(self.steps.buckets)})")
+                if layout.flex:
+                    layout.block_mask(n)
                 ids, positions = (torch.zeros(1, n, dtype=torch.long, device=self.device) for _ in range(2))
                 self.steps.graph(ids, positions)
         self.check_compiled()
@@ -175,7 +183,7 @@ class ModelRunner:
 
     def pool(self):
         """The KV block pool (app/kv.py), made at the budget's size on first use."""
-        return self.cache.configure(*self.kv_shape(), self.model.dtype, self.device)
+        return self.cache.configure(*self.kv_shape(), self.model.dtype, self.device, zeroed=self.flex)
 
     def kv_block_bytes(self) -> int:
         """Bytes one block of KV_BLOCK positions takes across every layer."""
@@ -288,7 +296,7 @@ class RaggedBatch:
             self.recomputed = offset
             keep = [sp.offset + sp.length - s.num_logits + j for sp, s in zip(spans, seqs) for j in range(s.num_logits)]
             out = self._run(ids, [p for sp in spans for p in range(sp.start, sp.start + sp.length)],
-                            Layout(spans, self.pool), keep)
+                            Layout(spans, self.pool, runner.flex), keep)
         except BaseException:
             self._free_owned()
             raise
@@ -306,8 +314,11 @@ class RaggedBatch:
         index = torch.tensor(keep, device=device)
         input_ids = ids if isinstance(ids, torch.Tensor) else torch.tensor([ids], device=device)
         position_ids = torch.tensor([positions], device=device)
+        bucket = runner.steps.bucket(len(positions)) if runner.steps else None
+        if layout.flex:  # its mask is built here, eagerly: create_block_mask does not run inside a compiled step
+            layout.block_mask(bucket or len(positions))
         with active(layout):
-            if runner.steps and runner.steps.bucket(len(positions)):
+            if bucket:
                 return runner.steps.logits(input_ids, position_ids, index)[:, : runner.vocab_size].float()
             extra = {"logits_to_keep": index} if runner.ragged_logits else {}
             out = runner.model(
@@ -327,7 +338,7 @@ class RaggedBatch:
         spans = [Span(e, n, 1, i) for i, (e, n) in enumerate(zip(self.entries, self.lengths))]
         _append(self, tokens)
         ids = tokens.view(1, -1) if isinstance(tokens, torch.Tensor) else torch.tensor([tokens], device=self.runner.device)
-        out = self._run(ids, self.lengths, Layout(spans, self.pool), list(range(len(spans))))
+        out = self._run(ids, self.lengths, Layout(spans, self.pool, self.runner.flex), list(range(len(spans))))
         self.lengths = [n + 1 for n in self.lengths]
         return out
 

@@ -85,3 +85,16 @@ def test_no_compiler_means_eager_with_a_warning(tokenizer, monkeypatch, caplog):
     assert runner.steps is None
     assert "no C++ compiler" in caplog.text
     assert runner.forward([SeqInput("a", [5, 6, 7], 1)])[0].shape == (1, runner.vocab_size)
+
+
+def test_the_gpu_shape_compiled_steps_over_flex_attention_gives_the_same_tokens(pair, tokenizer):
+    """What a GPU runs: compiled steps, attention one FlexAttention call per layer over the whole pool
+    (here FlexAttention's reference code on the CPU, over small pools)."""
+    runners = [ModelRunner(m, tokenizer, compile="default", compile_max_tokens=MAX, attention="flex",
+                           max_cache_bytes=4 << 20) for m in pair]
+    for r in runners:
+        r.warm()
+    assert all(r.steps is not None and r.flex for r in runners)
+    out = Engine(*runners).generate(PROMPTS, greedy(num_tokens=4))
+    for r in out:
+        assert r.token_ids == reference(pair[0], r.prompt_token_ids, 24)
