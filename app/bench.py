@@ -241,7 +241,8 @@ def measure_syncs(engine: Engine, ids: list[list[int]], k: int = 4) -> dict:
         with SyncCounter() as draft:
             proposals = propose(engine.draft, asks)
         with SyncCounter() as target:
-            verify(engine.target, [VerifyItem(a.seq_id, a.token_ids, p, params, a.seed) for a, p in zip(asks, proposals)])
+            verify(engine.target,
+                   [VerifyItem(a.seq_id, a.token_ids, p, params, a.seed) for a, p in zip(asks, proposals)])
         for a in asks:
             engine.draft.forget(a.seq_id), engine.target.forget(a.seq_id)
         out[name] = {"propose": draft.count, "verify": target.count}

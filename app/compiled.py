@@ -12,10 +12,10 @@ alone, so a prompt chunk never computes a vocabulary-wide row it does not need. 
 causal-LM forward does more than decoder then head (a logit scale, a soft cap) is caught by
 `ModelRunner.check_compiled`, which compares the two paths at warm-up and keeps the eager one.
 
-Measured in process on this project's 2-core CPU, demo pair, ms per forward, eager then compiled:
-target (6 layers) one token 3.7 -> 1.9, a 5-token verify 4.0 -> 2.3, 16 sequences x 1 token
-9.8 -> 7.5; draft (1 layer) one token 1.22 -> 0.78. At 16 sequences x 5 tokens (15 ms) attention,
-per sequence, takes most of the time and compiling does not change it.
+Measured in process on this project's 2-core CPU, demo pair, one thread, ms per forward, eager then
+compiled (`specserve bench --threads 1 --compile off|default`): target (6 layers) step 4.28 -> 3.11,
+K = 4 verify 4.91 -> 4.21; draft (1 layer) step 1.22 -> 0.94. With 16 sequences in a step, per-
+sequence attention takes two thirds of it (torch profiler), and compiling does not change that.
 
 Modes: "off" (eager), "default" (inductor's kernels), "reduce-overhead" (the same graphs replayed as
 CUDA graphs on a GPU, the attention op called live between them: inductor's graph partition splits

@@ -374,7 +374,8 @@ async def run_rounds(
     request that wants its prompt's logprobs (and has streamed nothing yet) has its whole prompt
     prefilled so, each chunk scoring its tokens. `cached`: context positions the target holds for
     the sequence already (another sequence prefilled the same context: app.engine), not prefilled again.
-    `load`: the engine's sequences in flight, for the goodput gate's measure. Each round is a span (child of `trace_parent`) and is reported to `observer`.
+    `load`: the engine's sequences in flight, for the goodput gate's measure. Each round is a span
+    (child of `trace_parent`) and is reported to `observer`.
     """
     rounds = Rounds(state, propose, verify, controller, costs, verify_cost, policy, company)
     rounds.cached = cached

@@ -32,7 +32,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-BLOCK_SIZE = 16  # positions per block; also the prefix index's unit: a shared prefix is found to the block, then exactly
+# positions per block; also the prefix index's unit: a shared prefix is found to the block, then exactly
+BLOCK_SIZE = 16
 PREFIX_BLOCK = BLOCK_SIZE
 
 

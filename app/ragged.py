@@ -59,8 +59,9 @@ class Span:
         every layer: built once."""
         if self.length > 1 and self.mask is None:
             end = self.start + self.length
-            hidden = torch.arange(end, device=like.device) > torch.arange(self.start, end, device=like.device).unsqueeze(1)
-            self.mask = torch.zeros(hidden.shape, dtype=like.dtype, device=like.device).masked_fill_(hidden, float("-inf"))
+            keys, queries = torch.arange(end, device=like.device), torch.arange(self.start, end, device=like.device)
+            hidden = keys > queries.unsqueeze(1)
+            self.mask = torch.zeros(hidden.shape, dtype=like.dtype, device=like.device).masked_fill_(hidden, -torch.inf)
         return self.mask
 
 
@@ -79,7 +80,7 @@ class Layout:
         device = pool.keys[0].device
         self.slots = torch.tensor([slot for s in spans for slot in s.entry.slots(s.start, s.start + s.length)],
                                   dtype=torch.long, device=device)
-        for s in spans:
+        for s in spans if not flex else ():  # the flex path reads the pool through its block mask
             s.runs = s.entry.runs(s.start + s.length)
             if len(s.runs) > 1:
                 s.gather = torch.tensor(s.entry.slots(0, s.start + s.length), device=device)
