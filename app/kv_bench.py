@@ -6,7 +6,9 @@ A batch of `sequences` sequences with `rows` new query rows each and `keys` to `
 cached positions, in blocks of app.kv.BLOCK_SIZE, read four ways: a view of one run of the
 `[heads, slots, dim]` pool (what app/ragged.py does where a table is one run), the same pool
 gathered per sequence (a table in several runs), a `[blocks, heads, 16, dim]` pool gathered per
-sequence, and one padded, masked SDPA call over the batch. fp32 and bf16.
+sequence, one padded, masked SDPA call over the batch, and the paged CPU kernel (app/cpu_attention.py:
+one call for the batch, tables in one run or scattered; float32, up to its MAX_ROWS rows). fp32 and
+bf16.
 """
 
 import argparse
@@ -14,7 +16,8 @@ import time
 
 import torch
 
-from app.kv import BLOCK_SIZE
+from app import cpu_attention
+from app.kv import BLOCK_SIZE, SequenceCache
 
 
 def _time(fn, repeats: int) -> float:
@@ -69,8 +72,24 @@ def layouts(sequences: int, rows: int, keys: int, heads: int, head_dim: int, dty
         kv = flat[:, padded_slots].transpose(0, 1)
         sdpa(batch_q, kv, kv, attn_mask=padded_mask)
 
-    return {"view of one run": view, "gathered from [heads, slots, dim]": gather_slots,
-            "gathered from [blocks, heads, 16, dim]": gather_blocks, "one padded masked call": padded}
+    out = {"view of one run": view, "gathered from [heads, slots, dim]": gather_slots,
+           "gathered from [blocks, heads, 16, dim]": gather_blocks, "one padded masked call": padded}
+    if cpu_attention.usable(dtype, flat.device) and rows <= cpu_attention.MAX_ROWS:
+        # the paged kernel (app/cpu_attention.py): every sequence in one call, through its block table
+        batch = torch.cat(queries, 2)
+        result = torch.zeros(1, batch.shape[2], heads, head_dim)
+        for name, order in (("paged kernel, tables in one run", list(range(num_blocks))),
+                            ("paged kernel, blocks scattered", shuffled.tolist())):
+            spans = cpu_attention.Spans([_Span([order[b] for b in t], n - rows, rows, i * rows)
+                                         for i, (t, n) in enumerate(zip(tables, lens))])
+            out[name] = lambda spans=spans: spans.attend(batch, flat, flat, result, head_dim ** -0.5)
+    return out
+
+
+class _Span:  # app.ragged.Span's fields the kernel reads
+    def __init__(self, blocks: list[int], start: int, length: int, offset: int):
+        self.entry = SequenceCache([], blocks)
+        self.start, self.length, self.offset = start, length, offset
 
 
 def main() -> None:
@@ -90,7 +109,7 @@ def main() -> None:
           f"{args.heads} heads x {args.head_dim}, {torch.get_num_threads()} threads")
     print("| KV read as | float32 | bfloat16 |\n|---|---|---|")
     for name, row in results.items():
-        print(f"| {name} | {row['float32']:.2f} | {row['bfloat16']:.2f} |")
+        print(f"| {name} | {row['float32']:.2f} | {row.get('bfloat16', float('nan')):.2f} |")
 
 
 if __name__ == "__main__":

@@ -19,10 +19,14 @@ composition. The op reads the forward's Layout from the thread that runs it (`ac
 compiled graph's inputs are tensors, not Python objects. It is tagged unsafe for CUDA graphs, so a
 captured step (mode "reduce-overhead") replays the kernels around it and calls it live.
 
-Inside the op, attention is one SDPA call per sequence over its blocks in place (CPUs: what measured
-fastest, app/kv_bench.py), or one FlexAttention call per layer over the whole pool, with a block mask
-built once per forward from the block tables (GPUs: no per-sequence calls, no dense mask, no gather;
-`ModelRunner(attention=...)`, auto = flex on CUDA). Both run on a CPU, and the tests check them.
+Inside the op, attention takes one of three paths (`ModelRunner(attention=...)`):
+- "flex" (auto on CUDA): one FlexAttention call per layer over the whole pool, with a block mask
+  built once per forward from the block tables: no per-sequence calls, no dense mask, no gather.
+- "cpu_paged" (auto on a CPU that can build it): the short spans (decode steps, verify rows) in one
+  call per layer of a small C++ kernel reading each row's keys through its block table
+  (app/cpu_attention.py); longer spans (prompts) one SDPA call each over their blocks in place.
+- "per_sequence": one SDPA call per sequence over its blocks in place.
+All three run on a CPU, and the tests check each (app/kv_bench.py measures them).
 """
 
 import threading
@@ -34,6 +38,7 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
 
+from app import cpu_attention
 from app.kv import BLOCK_SIZE, BlockPool, SequenceCache
 
 NAME = "specserve_ragged"
@@ -69,18 +74,21 @@ class Layout:
     """The packed row's sequences; the model's cache for one forward: it writes every sequence's new
     keys and values into their blocks with one indexed copy per layer, and attention reads them there.
 
-    flex: attention is one FlexAttention call per layer over the whole pool, its block mask built once
-    per forward from the block tables (what a GPU wants: no per-sequence calls, no dense mask, no
-    gather). Otherwise one SDPA call per sequence over its blocks in place (what a CPU wants:
-    app/kv_bench.py)."""
+    attention: "flex", "cpu_paged" or "per_sequence" (the module's docstring)."""
 
-    def __init__(self, spans: list[Span], pool: BlockPool, flex: bool = False):
-        self.spans, self.pool, self.flex = spans, pool, flex
+    def __init__(self, spans: list[Span], pool: BlockPool, attention: str = "per_sequence"):
+        self.spans, self.pool = spans, pool
+        self.flex = attention == "flex"
         self._mask = None  # (padded row length, BlockMask) of the flex path, built by the first layer
         device = pool.keys[0].device
         self.slots = torch.tensor([slot for s in spans for slot in s.entry.slots(s.start, s.start + s.length)],
                                   dtype=torch.long, device=device)
-        for s in spans if not flex else ():  # the flex path reads the pool through its block mask
+        # the CPU kernel's spans (a few rows each: decode steps, verify rows), in one call per layer
+        short = [s for s in spans if s.length <= cpu_attention.MAX_ROWS] if attention == "cpu_paged" else []
+        self.paged = cpu_attention.Spans(short) if short else None
+        # the spans torch's SDPA computes, one call each (the flex path reads the pool through its mask)
+        self.sdpa = [] if self.flex else [s for s in spans if s.length > cpu_attention.MAX_ROWS] if short else spans
+        for s in self.sdpa:
             s.runs = s.entry.runs(s.start + s.length)
             if len(s.runs) > 1:
                 s.gather = torch.tensor(s.entry.slots(0, s.start + s.length), device=device)
@@ -179,13 +187,15 @@ def attend(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, layer: i
         k, v = layout.pool.keys[layer].unsqueeze(0), layout.pool.values[layer].unsqueeze(0)  # [1, H, slots, D]
         out = flex_attention(query, k, v, block_mask=layout.block_mask(query.shape[2]), scale=scale, enable_gqa=gqa)
         return out.transpose(1, 2).contiguous()
-    out = torch.zeros_like(query)
-    for s in layout.spans:
+    out = query.new_zeros(query.shape[0], query.shape[2], query.shape[1], query.shape[3])  # [1, T, Hq, D]
+    if layout.paged:
+        layout.paged.attend(query, layout.pool.keys[layer], layout.pool.values[layer], out, scale)
+    for s in layout.sdpa:
         k, v = layout.kv(s, layer)
         q = query[:, :, s.offset : s.offset + s.length]  # [1, Hq, n, D]
-        out[:, :, s.offset : s.offset + s.length] = torch.nn.functional.scaled_dot_product_attention(
-            q, k, v, attn_mask=s.causal_mask(q), scale=scale, enable_gqa=gqa)
-    return out.transpose(1, 2).contiguous()
+        out[:, s.offset : s.offset + s.length] = torch.nn.functional.scaled_dot_product_attention(
+            q, k, v, attn_mask=s.causal_mask(q), scale=scale, enable_gqa=gqa).transpose(1, 2)
+    return out
 
 
 @attend.register_fake

@@ -9,7 +9,7 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig, PreTrainedModel
 from transformers.cache_utils import Cache, DynamicLayer
 
-from app import dtypes
+from app import cpu_attention, dtypes
 from app.compiled import CompiledSteps, unavailable
 from app.cpu_linear import pack_linears
 from app.grammar import Grammars
@@ -74,6 +74,9 @@ class SeqInput:
     salt: str | None = None  # its request's cache_salt: it borrows only prefixes cached under the same one
 
 
+ATTENTION = ("auto", "flex", "cpu_paged", "per_sequence")  # app/ragged.py
+
+
 class ModelRunner:
     """Runs one model over many sequences at once, reusing each sequence's cached prefix."""
 
@@ -98,11 +101,17 @@ class ModelRunner:
         self.ragged = supports_ragged(model)
         if self.ragged:
             model.config._attn_implementation = RAGGED
-        # ragged attention as one FlexAttention call per layer over the block pool (a GPU), or one SDPA
-        # call per sequence over its blocks in place (a CPU: app/ragged.py, app/kv_bench.py)
-        if attention not in ("auto", "flex", "per_sequence"):
-            raise ValueError(f"attention must be auto, flex or per_sequence, got {attention!r}")
-        self.flex = attention == "flex" or (attention == "auto" and self.device.type == "cuda")
+        # ragged attention's path (app/ragged.py): FlexAttention over the block pool on a GPU, the paged
+        # CPU kernel for short spans on a CPU that builds it (float32), else one SDPA call per sequence
+        if attention not in ATTENTION:
+            raise ValueError(f"attention must be one of {ATTENTION}, got {attention!r}")
+        if attention == "auto":
+            attention = ("flex" if self.device.type == "cuda"
+                         else "cpu_paged" if self.ragged and cpu_attention.usable(model.dtype, self.device)
+                         else "per_sequence")
+        elif attention == "cpu_paged" and not cpu_attention.usable(model.dtype, self.device):
+            raise ValueError("attention='cpu_paged' needs a float32 model on a CPU and a C++ compiler")
+        self.attention = attention
         # compiled steps over static token counts (app/compiled.py): ragged forwards of one device only
         self.steps = self._compiled(compile, compile_max_tokens)
         # CPU eager serving: linears on oneDNN-prepacked weights (app/cpu_linear.py); same maths, 2-3x
@@ -115,6 +124,10 @@ class ModelRunner:
         # a table left in several runs after a forward is moved into one (measured: gathers took 14 % of
         # a served target replica's time at 16 streams, half of them borrowers of a cached prompt)
         self.compact_tables = self.device.type == "cpu"
+
+    @property
+    def flex(self) -> bool:
+        return self.attention == "flex"
 
     def _compiled(self, mode: str, max_tokens: int) -> CompiledSteps | None:
         if mode == "off":
@@ -136,7 +149,7 @@ class ModelRunner:
         if not self.steps:
             return
         name = getattr(self.model.config, "_name_or_path", "") or type(self.model).__name__
-        with torch.inference_mode(), active(Layout([], self.pool(), self.flex)) as layout:
+        with torch.inference_mode(), active(Layout([], self.pool(), self.attention)) as layout:
             for i, n in enumerate(self.steps.buckets):
                 progress(f"compiling {name}'s step for {n} tokens ({i + 1}/{len(self.steps.buckets)})")
                 if layout.flex:
@@ -296,7 +309,7 @@ class RaggedBatch:
             self.recomputed = offset
             keep = [sp.offset + sp.length - s.num_logits + j for sp, s in zip(spans, seqs) for j in range(s.num_logits)]
             out = self._run(ids, [p for sp in spans for p in range(sp.start, sp.start + sp.length)],
-                            Layout(spans, self.pool, runner.flex), keep)
+                            Layout(spans, self.pool, runner.attention), keep)
         except BaseException:
             self._free_owned()
             raise
@@ -338,7 +351,7 @@ class RaggedBatch:
         spans = [Span(e, n, 1, i) for i, (e, n) in enumerate(zip(self.entries, self.lengths))]
         _append(self, tokens)
         ids = tokens.view(1, -1) if isinstance(tokens, torch.Tensor) else torch.tensor([tokens], device=self.runner.device)
-        out = self._run(ids, self.lengths, Layout(spans, self.pool, self.runner.flex), list(range(len(spans))))
+        out = self._run(ids, self.lengths, Layout(spans, self.pool, self.runner.attention), list(range(len(spans))))
         self.lengths = [n + 1 for n in self.lengths]
         return out
 

@@ -1,0 +1,115 @@
+"""The paged CPU attention kernel (app/cpu_attention.py) against torch's SDPA over the same keys."""
+
+import ctypes
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from app import cpu_attention
+from app.kv import BLOCK_SIZE
+
+pytestmark = pytest.mark.skipif(cpu_attention.kernel() is None, reason="no C++ compiler to build the kernel")
+
+
+class _Entry:
+    def __init__(self, blocks):
+        self.blocks = blocks
+
+
+class _Span:
+    def __init__(self, blocks, start, length, offset):
+        self.entry, self.start, self.length, self.offset = _Entry(blocks), start, length, offset
+
+
+def _reference(query, keys, values, spans, scale):
+    """Each span's rows by SDPA over its keys gathered in table order, causal from its start."""
+    out = torch.zeros(1, query.shape[2], query.shape[1], query.shape[3])
+    for s in spans:
+        end = s.start + s.length
+        slots = torch.tensor([b * BLOCK_SIZE + x for b in s.entry.blocks for x in range(BLOCK_SIZE)][:end])
+        k, v = keys.index_select(1, slots).unsqueeze(0), values.index_select(1, slots).unsqueeze(0)
+        q = query[:, :, s.offset : s.offset + s.length]
+        mask = torch.arange(end) <= torch.arange(s.start, end).unsqueeze(1)
+        got = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale,
+                                                               enable_gqa=q.shape[1] != k.shape[1])
+        out[:, s.offset : s.offset + s.length] = got.transpose(1, 2)
+    return out
+
+
+@pytest.mark.parametrize("heads_q,heads_kv,dim", [(4, 4, 64), (8, 2, 32), (6, 3, 80)])
+@pytest.mark.parametrize("threads", [1, 3])
+def test_kernel_matches_sdpa_over_scattered_blocks(heads_q, heads_kv, dim, threads, monkeypatch):
+    """Spans of 1 to MAX_ROWS rows, starting anywhere (a block's middle, position 0), their tables in
+    blocks scattered over the pool; queries strided as the model's projections leave them."""
+    gen = torch.Generator().manual_seed(heads_q * dim + threads)
+    num_blocks = 64
+    keys = torch.randn(heads_kv, num_blocks * BLOCK_SIZE, dim, generator=gen)
+    values = torch.randn(heads_kv, num_blocks * BLOCK_SIZE, dim, generator=gen)
+    free = torch.randperm(num_blocks, generator=gen).tolist()
+    spans, offset = [], 0
+    for rows, start in [(1, 0), (1, 37), (5, 90), (8, 15), (3, 47), (2, 160), (cpu_attention.MAX_ROWS, 0)]:
+        n = -(-(start + rows) // BLOCK_SIZE)
+        spans.append(_Span([free.pop() for _ in range(n)], start, rows, offset))
+        offset += rows
+    query = torch.randn(1, offset, heads_q, dim, generator=gen).transpose(1, 2)  # [1, Hq, T, D], strided
+    out = torch.zeros(1, offset, heads_q, dim)
+    monkeypatch.setattr(torch, "get_num_threads", lambda: threads)
+    cpu_attention.Spans(spans).attend(query, keys, values, out, dim ** -0.5)
+    torch.testing.assert_close(out, _reference(query, keys, values, spans, dim ** -0.5), atol=2e-5, rtol=1e-5)
+
+
+def test_a_row_does_not_depend_on_its_batch():
+    """The same span alone and among others: bit-identical rows (seeded output independent of batch)."""
+    gen = torch.Generator().manual_seed(3)
+    keys, values = torch.randn(2, 32 * BLOCK_SIZE, 16, generator=gen), torch.randn(2, 32 * BLOCK_SIZE, 16, generator=gen)
+    query = torch.randn(1, 2, 9, 16, generator=gen)
+    mine = _Span([5, 9, 2], 40, 4, 5)
+    alone = torch.zeros(1, 9, 2, 16)
+    cpu_attention.Spans([mine]).attend(query, keys, values, alone, 0.25)
+    crowded = torch.zeros(1, 9, 2, 16)
+    cpu_attention.Spans([_Span([1, 3], 20, 5, 0), mine]).attend(query, keys, values, crowded, 0.25)
+    assert torch.equal(alone[:, 5:], crowded[:, 5:])
+
+
+def test_far_below_the_maximum_weights_are_zero_not_nan():
+    """A row whose scores span hundreds (weights past float's range): finite, the top key's value."""
+    keys = torch.zeros(1, BLOCK_SIZE, 4)
+    keys[0, 3] = 100.0
+    values = torch.arange(BLOCK_SIZE * 4, dtype=torch.float32).view(1, BLOCK_SIZE, 4)
+    query = torch.ones(1, 1, 1, 4)
+    out = torch.zeros(1, 1, 1, 4)
+    cpu_attention.Spans([_Span([0], 9, 1, 0)]).attend(query, keys, values, out, 1.0)
+    torch.testing.assert_close(out[0, 0, 0], values[0, 3])
+
+
+def test_loading_the_kernel_leaves_the_process_floating_point_mode_alone():
+    """Built with -ffast-math, but never linked with it: denormals still exist in the process after
+    the library loads (GCC's fast-math start-up code would flush them to zero everywhere)."""
+    lib = cpu_attention.build()
+    code = (f"import ctypes, torch; x = torch.tensor([1e-40]); ctypes.CDLL({str(lib)!r}); "
+            "print((x * 1).item() > 0, (torch.tensor([1e-39]) / 2).item() > 0)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
+    assert out == ["True", "True"]
+    assert ctypes.CDLL(str(lib)) is not None
+
+
+def test_without_a_compiler_attention_stays_per_sequence(monkeypatch, tmp_path, target_model, tokenizer):
+    """No compiler and nothing cached: auto is one SDPA call per sequence; asking for the kernel is an error."""
+    from app.runner import ModelRunner
+
+    monkeypatch.setenv("SPECSERVE_KERNEL_CACHE", str(tmp_path))
+    monkeypatch.setattr(cpu_attention.shutil, "which", lambda name: None)
+    monkeypatch.delenv("CXX", raising=False)
+    monkeypatch.setattr(cpu_attention, "_loaded", {})
+    assert cpu_attention.build() is None
+    assert ModelRunner(target_model, tokenizer).attention == "per_sequence"
+    with pytest.raises(ValueError, match="cpu_paged"):
+        ModelRunner(target_model, tokenizer, attention="cpu_paged")
+
+
+def test_only_float32_pools_take_the_kernel():
+    assert cpu_attention.usable(torch.float32, torch.device("cpu"))
+    assert not cpu_attention.usable(torch.bfloat16, torch.device("cpu"))
+    assert not cpu_attention.usable(torch.float32, torch.device("meta"))
