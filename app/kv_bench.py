@@ -1,6 +1,7 @@
 """How attention should read a paged KV cache on this machine: ms per layer for each way of reading it.
 
     python -m app.kv_bench [--sequences 16] [--rows 5] [--keys 300] [--heads 4] [--head-dim 64]
+    python -m app.kv_bench --model DIR [--compile default|off]    # a model's whole forwards
 
 A batch of `sequences` sequences with `rows` new query rows each and `keys` to `keys + 7 * sequences`
 cached positions, in blocks of app.kv.BLOCK_SIZE, read four ways: a view of one run of the
@@ -92,6 +93,36 @@ class _Span:  # app.ragged.Span's fields the kernel reads
         self.start, self.length, self.offset = start, length, offset
 
 
+def steps(model_dir: str, compile: str, sequences: int, keys: int, repeats: int) -> dict:
+    """ms per whole ragged forward of a model: `sequences` sequences of `keys`+ cached positions
+    each taking 1 row (a decode step) and 5 rows (a K = 4 verify), for each CPU attention path."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from app.runner import ModelRunner, SeqInput
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    out = {}
+    paths = ["per_sequence"] + (["cpu_paged"] if cpu_attention.usable(torch.float32, torch.device("cpu")) else [])
+    for path in paths:
+        runner = ModelRunner(model, tokenizer, attention=path, compile=compile)
+        runner.warm(lambda message: None)
+        gen = torch.Generator().manual_seed(0)
+        contexts = [torch.randint(3, runner.vocab_size, (keys + 7 * i,), generator=gen).tolist()
+                    for i in range(sequences)]
+        runner.forward([SeqInput(f"s{i}", c, 1) for i, c in enumerate(contexts)])
+        for rows in (1, 5):
+            times = []
+            for _ in range(repeats):
+                for c in contexts:
+                    c += [7] * rows
+                t0 = time.perf_counter()
+                runner.forward([SeqInput(f"s{i}", c, rows) for i, c in enumerate(contexts)])
+                times.append((time.perf_counter() - t0) * 1e3)
+            out.setdefault(f"{rows} row{'s' if rows > 1 else ''} per sequence", {})[path] = sorted(times)[len(times) // 2]
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--sequences", type=int, default=16)
@@ -100,7 +131,18 @@ def main() -> None:
     ap.add_argument("--heads", type=int, default=4)
     ap.add_argument("--head-dim", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=50)
+    ap.add_argument("--model", help="a model directory: time its whole forwards (median ms) for each CPU "
+                    "attention path instead")
+    ap.add_argument("--compile", default="default", help="with --model: off, default (compiled steps)")
     args = ap.parse_args()
+    if args.model:
+        results = steps(args.model, args.compile, args.sequences, args.keys, args.repeats)
+        print(f"median ms per forward, {args.sequences} sequences x {args.keys}+ keys, compile {args.compile}, "
+              f"{torch.get_num_threads()} threads")
+        print("| rows | " + " | ".join(next(iter(results.values()))) + " |\n|---|" + "---|" * len(next(iter(results.values()))))
+        for name, row in results.items():
+            print(f"| {name} | " + " | ".join(f"{v:.2f}" for v in row.values()) + " |")
+        return
     results = {}
     for dtype in (torch.float32, torch.bfloat16):
         for name, fn in layouts(args.sequences, args.rows, args.keys, args.heads, args.head_dim, dtype).items():

@@ -210,10 +210,10 @@ class ModelRunner:
     @classmethod
     def from_pretrained(cls, name_or_path: str, *, dtype: str = "float32", device: str = "cpu",
                         max_cache_bytes: int = 1 << 30, trust_remote_code: bool = False, compile: str = "off",
-                        compile_max_tokens: int = 128) -> "ModelRunner":
+                        compile_max_tokens: int = 128, attention: str = "auto") -> "ModelRunner":
         model, tokenizer = load_model(name_or_path, dtype=dtype, device=device, trust_remote_code=trust_remote_code)
         return cls(model, tokenizer, max_cache_bytes=max_cache_bytes, pack=True, compile=compile,
-                   compile_max_tokens=compile_max_tokens)
+                   compile_max_tokens=compile_max_tokens, attention=attention)
 
     @torch.inference_mode()
     def forward(self, seqs: list[SeqInput]) -> list[torch.Tensor]:

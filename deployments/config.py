@@ -26,6 +26,10 @@ class ModelConfig(BaseModel):
         "counts (powers of two), compiled before the replica takes traffic; larger forwards run eagerly. "
         "reduce-overhead replays the graphs as CUDA graphs on a GPU. CPU needs a C++ compiler; without one, eager.")
     compile_max_tokens: int = Field(128, ge=1, description="Largest compiled step, positions per forward.")
+    attention: Literal["auto", "flex", "cpu_paged", "per_sequence"] = Field(
+        "auto", description="How attention reads the paged KV cache: flex = one FlexAttention call per layer "
+        "(auto on a GPU); cpu_paged = decode and verify rows in one call per layer of a C++ kernel built on "
+        "the machine (auto on a CPU with a compiler, float32); per_sequence = one SDPA call per sequence.")
     torch_threads: int | None = Field(
         None, ge=1, description="torch CPU threads of each replica (and rank worker); None = Ray's default, one "
         "per whole reserved CPU. Raise it on CPU nodes with cores to spare (on a 2-core node that also runs Ray's "

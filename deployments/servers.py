@@ -47,7 +47,8 @@ def load_runner(cfg: ModelConfig, path: str, forward_tokens: int) -> ModelRunner
     set_torch_threads(cfg)
     device = cfg.device if cfg.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
     runner = ModelRunner.from_pretrained(path, dtype=cfg.dtype, device=device, trust_remote_code=cfg.trust_remote_code,
-                                         compile=cfg.compile, compile_max_tokens=cfg.compile_max_tokens)
+                                         compile=cfg.compile, compile_max_tokens=cfg.compile_max_tokens,
+                                         attention=cfg.attention)
     size_kv_budget(runner, cfg.memory_utilization, cfg.max_cache_bytes, forward_tokens)
     runner.warm(logging.getLogger("ray.serve").info)  # the replica's log shows each compile
     warm_up(runner)
