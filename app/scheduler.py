@@ -48,6 +48,43 @@ def in_thread(fn: Callable[[list], list]) -> ForwardFn:
     return run
 
 
+class LoadMeter:
+    """What a queue's model did since the last read: how busy its forward loop was, how full its
+    forwards were, how long items waited for one. The autoscaler's signals (deployments/autoscaling.py)
+    are read from it once per metrics interval. `clock`: seconds, injected by tests."""
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic):
+        self.clock = clock
+        self._reset(clock())
+
+    def _reset(self, now: float) -> None:
+        self._since, self._busy, self._forwards, self._items, self._tokens = now, 0.0, 0, 0, 0
+        self._waited, self._waits = 0.0, 0
+
+    def forward(self, seconds: float, items: int, tokens: int) -> None:
+        self._busy += seconds
+        self._forwards += 1
+        self._items += items
+        self._tokens += tokens
+
+    def waited(self, seconds: float) -> None:
+        """One item's wait for its forward (submitted to its forward's start)."""
+        self._waited += max(0.0, seconds)
+        self._waits += 1
+
+    def read(self) -> dict[str, float]:
+        """Since the last read: busy (fraction of the time a forward ran, 0-1), items_per_forward,
+        tokens_per_forward, queue_wait_s (mean per item); then starts a new window."""
+        now = self.clock()
+        span = max(now - self._since, 1e-9)
+        forwards = max(self._forwards, 1)
+        out = {"busy": min(1.0, self._busy / span), "items_per_forward": self._items / forwards,
+               "tokens_per_forward": self._tokens / forwards,
+               "queue_wait_s": self._waited / self._waits if self._waits else 0.0}
+        self._reset(now)
+        return out
+
+
 class ForwardQueue(Generic[Item, Result]):
     """Serialises a model's forwards and fuses what waits; frees released sequences' caches safely.
 
@@ -77,13 +114,20 @@ class ForwardQueue(Generic[Item, Result]):
         self.on_batch = on_batch
         self.served = 0  # items answered
         self.batch_sizes: collections.deque[int] = collections.deque(maxlen=1024)
+        self.load = LoadMeter()  # the autoscaler's view of this model's work
+        self._cost = cost
         self._released: collections.OrderedDict[str, None] = collections.OrderedDict()
         # max_tokens: a forward's budget of positions (cost(item) each); rounds go before prompt chunks
         self._batcher = MicroBatcher(lambda items, _: self._run(items), max_items, serial=True,
                                      max_cost=max_tokens, cost=cost)
 
     async def submit(self, item: Item) -> Result:
-        return await self._batcher.submit(item)
+        t0 = self.load.clock()
+        result = await self._batcher.submit(item)
+        stats = getattr(result, "stats", None)
+        if isinstance(stats, dict) and "forward_s" in stats:
+            self.load.waited(self.load.clock() - t0 - stats["forward_s"])
+        return result
 
     async def release(self, seq_id: str) -> None:
         """Free a finished or cancelled sequence's cache (ids are never reused)."""
@@ -114,6 +158,7 @@ class ForwardQueue(Generic[Item, Result]):
             for seq_id in {it.seq_id for it in items} & self._released.keys():
                 await self._drop(seq_id)
         stats["forward_s"] = time.perf_counter() - t0
+        self.load.forward(stats["forward_s"], len(items), sum(self._cost(it) for it in items))
         for r in results:
             if not isinstance(r, BaseException):
                 r.stats.update(stats)

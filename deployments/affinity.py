@@ -20,6 +20,7 @@ class Calls:
 
     items: list = field(default_factory=list)
     replica_hint: str | None = None  # the replica that holds these sequences' caches, if any
+    wait_share: float | None = None  # a target replica's recent share of round time waiting for proposals
 
     @property
     def seq_id(self) -> str | None:

@@ -8,6 +8,7 @@ Any failure of the draft pool reaches the engine as DraftUnavailable: that seque
 """
 
 import logging
+from collections.abc import Callable
 
 from app.batching import MicroBatcher
 from app.driver import DraftUnavailable
@@ -21,14 +22,17 @@ log = logging.getLogger("ray.serve")
 class DraftClient:
     """propose / release against a DraftServer deployment handle (the engine's draft transport)."""
 
-    def __init__(self, handle, max_batch: int | None = None):
+    def __init__(self, handle, max_batch: int | None = None, wait_share: Callable[[], float] | None = None):
         self.handle = handle
+        # the share of this replica's round time spent waiting for proposals, sent with every call:
+        # the draft pool's autoscaling signal (deployments/autoscaling.py)
+        self.wait_share = wait_share or (lambda: 0.0)
         self._homes: dict[str, str] = {}  # seq id -> draft replica id
         self._calls = MicroBatcher(self._call, max_batch)
 
     def _call(self, items: list[ProposeItem], home: str | None):
         with own_serve_request():  # several calls of one target request may be in flight at once
-            return self.handle.propose_many.remote(Calls(items, home))
+            return self.handle.propose_many.remote(Calls(items, home, wait_share=self.wait_share()))
 
     async def submit(self, item: ProposeItem) -> Proposal:
         try:

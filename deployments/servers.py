@@ -25,6 +25,7 @@ from app.request import GenerationJob
 from app.runner import ModelRunner, SeqInput, eos_ids, load_generation_config
 from app.spec import Proposal, propose, verify, verify_tokens
 from deployments.affinity import Calls
+from deployments.autoscaling import CallerWaits, Observers, RoundLoad
 from deployments.config import (
     BatchConfig,
     ModelConfig,
@@ -134,10 +135,18 @@ class DraftServer(_Server):
         self.runner = load_runner(cfg, path, max(batch.max_batch_size, DRAFT_PREFILL_TOKENS))
         self.queue = self._queue(in_thread(functools.partial(propose, self.runner, top_n=top_n)), self._release,
                                  batch, "DraftServer.propose", self.runner.forget)
+        self.callers = CallerWaits()
 
     async def propose_many(self, calls: Calls) -> list[Proposal | BaseException]:
         """A target replica's proposals of one step: each joins the forward queue; one that fails fails alone."""
+        self.callers.add(calls.wait_share)
         return await asyncio.gather(*(self.queue.submit(item) for item in calls.items), return_exceptions=True)
+
+    async def record_autoscaling_stats(self) -> dict[str, float]:
+        """The draft pool's signals since the last call (deployments/autoscaling.py)."""
+        load = self.queue.load.read()
+        return {"busy": load["busy"], "items_per_forward": load["items_per_forward"],
+                "wait_share": self.callers.read()}
 
     async def release(self, seq_ids: Calls) -> None:
         """Free finished or cancelled sequences' caches (and again after a forward still computing them)."""
@@ -173,6 +182,8 @@ class TargetServer(_Server):
         self.queue = self._queue(forward, release, batch, "TargetServer.verify", forget,
                                  max_tokens=batch.max_batch_tokens, cost=verify_tokens)
         self.round_metrics = RoundMetrics()
+        self.round_load = RoundLoad()  # the autoscaler's view of this replica's rounds
+        self.max_batch_tokens = batch.max_batch_tokens
         self.speculation = speculation
         self.batch_ema = 1.0  # verify batch size, smoothed: the load that load-aware K weighs
         self.queue.on_batch = self._on_batch
@@ -180,7 +191,8 @@ class TargetServer(_Server):
                              ahead=speculation.draft_ahead)
         if draft is not None:
             self._warming = _start(self._connect(draft))
-        self.engine = Engine(self.queue, DraftClient(draft, max_batch=None) if draft is not None else None,
+        client = DraftClient(draft, max_batch=None, wait_share=lambda: self.round_load.wait_share) if draft else None
+        self.engine = Engine(self.queue, client,
                              tokenizer=tokenizer, vocab_size=vocab, max_context=max_context,
                              k_max=speculation.k_max, policy=policy, verify_cost=self._verify_cost,
                              prefill_chunk=batch.prefill_chunk_tokens, eos_ids=eos, kv_capacity=kv_capacity,
@@ -208,7 +220,8 @@ class TargetServer(_Server):
         """Run (or resume) one request: its rounds' chunks, then the summary (app.engine.Engine.run_job)."""
         span = telemetry.start_span("TargetServer.generate", job.trace, {"specserve.replica": self.replica_id})
         try:
-            async for chunk in self.engine.run_job(job, self.round_metrics.request(), telemetry.context_of(span)):
+            observer = Observers(self.round_metrics.request(), self.round_load)
+            async for chunk in self.engine.run_job(job, observer, telemetry.context_of(span)):
                 yield chunk
         finally:
             if span is not None:
@@ -217,6 +230,14 @@ class TargetServer(_Server):
     @property
     def cache(self):
         return self.ranks.cache if self.ranks else self.runner.cache
+
+    async def record_autoscaling_stats(self) -> dict[str, float]:
+        """The target pool's signals since the last call (deployments/autoscaling.py)."""
+        load, rounds, cache = self.queue.load.read(), self.round_load.read(), self.cache
+        budget = getattr(cache, "max_bytes", 0) or 0
+        return {"busy": load["busy"], "kv": cache.nbytes / budget if budget else 0.0,
+                "fill": load["tokens_per_forward"] / self.max_batch_tokens, "queue_wait_s": load["queue_wait_s"],
+                "ttft_s": rounds["ttft_s"]}
 
     async def _release_ranks(self, seq_id: str) -> None:
         await self.ranks.release(seq_id)

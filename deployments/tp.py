@@ -74,10 +74,11 @@ class CacheSnapshot:
     sequences: int = 0
     evictions: int = 0
     prefix_hit_tokens: int = 0
+    max_bytes: int = 0  # the rank's KV budget (the group's agreed one)
 
     @classmethod
     def of(cls, store) -> "CacheSnapshot":
-        return cls(store.nbytes, len(store), store.evictions, store.prefix_hit_tokens)
+        return cls(store.nbytes, len(store), store.evictions, store.prefix_hit_tokens, store.max_bytes)
 
     def __len__(self) -> int:
         return self.sequences

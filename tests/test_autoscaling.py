@@ -1,13 +1,15 @@
-"""Draft and target pools scale independently: each follows its own autoscaling_config."""
+"""Draft and target pools scale independently, each on its own signals (deployments/autoscaling.py),
+with the shipped policies: no target_ongoing_requests anywhere."""
 
 import threading
 import time
 
 import httpx
 import pytest
+import yaml
 from ray import serve
 
-from cluster.local import deploy, load_config
+from cluster.local import CONFIG, deploy, load_config
 from serving import running_app, save_tiny_pair
 
 pytestmark = pytest.mark.slow
@@ -15,10 +17,14 @@ pytestmark = pytest.mark.slow
 QUICK = {"upscale_delay_s": 1, "downscale_delay_s": 600, "metrics_interval_s": 0.5, "look_back_period_s": 2}
 
 
-def autoscaling(scale: bool) -> dict:
-    """Scales to 2 replicas under a handful of concurrent streams, or never (target far above the load)."""
-    return {"autoscaling_config": {"min_replicas": 1, "initial_replicas": 1, "max_replicas": 2,
-                                   "target_ongoing_requests": 1 if scale else 1000, **QUICK}}
+def autoscaling(name: str, **policy_kwargs) -> dict:
+    """The shipped autoscaling_config of deployment `name` (its policy and thresholds), with quick
+    delays, at most 2 replicas, and any threshold given here changed."""
+    app = yaml.safe_load(CONFIG.read_text())["applications"][0]
+    cfg = next(d for d in app["deployments"] if d["name"] == name)["autoscaling_config"]
+    assert "target_ongoing_requests" not in cfg
+    policy = {**cfg["policy"], "policy_kwargs": {**cfg["policy"]["policy_kwargs"], **policy_kwargs}}
+    return {"autoscaling_config": {**cfg, **QUICK, "max_replicas": 2, "policy": policy}}
 
 
 def running(name: str) -> int:
@@ -26,7 +32,7 @@ def running(name: str) -> int:
     return states.get("RUNNING", 0)
 
 
-def load_until(url: str, done, seconds: float = 90) -> None:
+def load_until(url: str, done, body: dict, seconds: float = 90) -> None:
     """Keep 12 greedy streams busy until done() or the time is up."""
     stop = time.monotonic() + seconds
 
@@ -34,8 +40,7 @@ def load_until(url: str, done, seconds: float = 90) -> None:
         with httpx.Client(timeout=120) as c:
             while time.monotonic() < stop and not done():
                 c.post(f"{url}/v1/completions", json={"model": "target", "prompt": "def f(x):", "max_tokens": 48,
-                                                      "temperature": 0, "ignore_eos": True,
-                                                      "speculation": {"num_tokens": 4}})
+                                                      "temperature": 0, "ignore_eos": True, **body})
     threads = [threading.Thread(target=stream) for _ in range(12)]
     for t in threads:
         t.start()
@@ -44,20 +49,23 @@ def load_until(url: str, done, seconds: float = 90) -> None:
 
 
 def test_draft_and_target_scale_independently(tmp_path):
+    """A draft-bound load (8 tokens drafted a round, nothing drafted ahead: every round waits for
+    eight draft steps) grows the draft pool and not the target pool. Then a load the target cannot
+    serve within its first-round goal (set to 1 ms here), with speculation off, grows the target
+    pool and leaves the draft pool as it is."""
     target, draft = save_tiny_pair(tmp_path)
     args = {"target": {"model": target, "dtype": "float32"}, "draft": {"model": draft},
-            "speculation": {"draft_timeout_s": 30.0}}
-    with running_app(target, draft, deployments={"DraftServer": autoscaling(True),
-                                                 "TargetServer": autoscaling(False)}) as url:
-        load_until(url, lambda: running("DraftServer") >= 2)
-        assert running("DraftServer") == 2, "the draft pool did not scale up under load"
-        assert running("TargetServer") == 1, "the target pool scaled although its config says not to"
+            "speculation": {"draft_timeout_s": 30.0, "draft_ahead": False, "goodput_gate": False}}
+    with running_app(target, draft, args=args, deployments={"DraftServer": autoscaling("DraftServer"),
+                                                            "TargetServer": autoscaling("TargetServer")}) as url:
+        load_until(url, lambda: running("DraftServer") >= 2, {"speculation": {"num_tokens": 8}})
+        assert running("DraftServer") == 2, "the draft pool did not scale up under a draft-bound load"
+        assert running("TargetServer") == 1, "the target pool scaled under a draft-bound load"
 
-        # the reverse: the target scales, the draft keeps its count
         port = int(url.rsplit(":", 1)[1])
-        deploy(load_config(args=args, port=port, deployments={"DraftServer": autoscaling(False),
-                                                              "TargetServer": autoscaling(True)}))
+        deploy(load_config(args=args, port=port, deployments={
+            "DraftServer": autoscaling("DraftServer"), "TargetServer": autoscaling("TargetServer", ttft_goal_s=0.001)}))
         draft_count = running("DraftServer")
-        load_until(url, lambda: running("TargetServer") >= 2)
-        assert running("TargetServer") == 2, "the target pool did not scale up under load"
+        load_until(url, lambda: running("TargetServer") >= 2, {"speculation": {"enabled": False}})
+        assert running("TargetServer") == 2, "the target pool did not scale up past its first-round goal"
         assert running("DraftServer") == draft_count
