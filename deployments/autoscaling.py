@@ -23,10 +23,6 @@ between them the pool holds.
 import math
 from dataclasses import dataclass
 
-DRAFT_SIGNALS = ("busy", "items_per_forward", "wait_share")
-TARGET_SIGNALS = ("busy", "kv", "fill", "queue_wait_s", "ttft_s")
-
-
 class RoundLoad:
     """A target replica's rounds since the last read (an app.telemetry.RoundObserver): the share of
     their time spent waiting for proposals, and how long first rounds took."""

@@ -119,6 +119,14 @@ class ServerMetrics:
         self.prefix_hits = Counter(_name("prefix_cache_hit_tokens"),
                                    "Prompt tokens not computed: copied from another sequence's cached prefix.")
         self._prefix_hits_seen = 0
+        self.signals = Gauge(_name("autoscaling_signal"), "The last figures this replica gave its pool's "
+                             "autoscaling policy (deployments/autoscaling.py), by signal.", tag_keys=("signal",))
+
+    def signal(self, figures: dict[str, float]) -> dict[str, float]:
+        """Export what the replica just reported to Serve's autoscaler; returns it."""
+        for name, value in figures.items():
+            self.signals.set(value, {"signal": name})
+        return figures
 
     def batch(self, size: int, cache) -> None:
         """After a batch: its size and the cache it left."""

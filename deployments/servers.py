@@ -145,8 +145,8 @@ class DraftServer(_Server):
     async def record_autoscaling_stats(self) -> dict[str, float]:
         """The draft pool's signals since the last call (deployments/autoscaling.py)."""
         load = self.queue.load.read()
-        return {"busy": load["busy"], "items_per_forward": load["items_per_forward"],
-                "wait_share": self.callers.read()}
+        return self.metrics.signal({"busy": load["busy"], "items_per_forward": load["items_per_forward"],
+                                    "wait_share": self.callers.read()})
 
     async def release(self, seq_ids: Calls) -> None:
         """Free finished or cancelled sequences' caches (and again after a forward still computing them)."""
@@ -235,9 +235,10 @@ class TargetServer(_Server):
         """The target pool's signals since the last call (deployments/autoscaling.py)."""
         load, rounds, cache = self.queue.load.read(), self.round_load.read(), self.cache
         budget = getattr(cache, "max_bytes", 0) or 0
-        return {"busy": load["busy"], "kv": cache.nbytes / budget if budget else 0.0,
-                "fill": load["tokens_per_forward"] / self.max_batch_tokens, "queue_wait_s": load["queue_wait_s"],
-                "ttft_s": rounds["ttft_s"]}
+        return self.metrics.signal({
+            "busy": load["busy"], "kv": cache.nbytes / budget if budget else 0.0,
+            "fill": load["tokens_per_forward"] / self.max_batch_tokens, "queue_wait_s": load["queue_wait_s"],
+            "ttft_s": rounds["ttft_s"]})
 
     async def _release_ranks(self, seq_id: str) -> None:
         await self.ranks.release(seq_id)

@@ -168,3 +168,11 @@ def test_the_target_pool_holds_while_the_draft_pool_is_the_bottleneck(monkeypatc
     assert serve_decisions(policy, cfg, waiting, 1, [0, 10, 20, 130], monkeypatch) == [1, 1, 1, 1]
     hot = per_replica(kv=[0.3], queue_wait_s=[0.9], ttft_s=[2.5], busy=[0.99])
     assert serve_decisions(policy, cfg, hot, 1, [0, 10, 20], monkeypatch) == [1, 2, 2]  # max_replicas 2
+
+
+def test_the_ramp_goes_one_to_peak_to_one():
+    from cluster.ramp import level
+
+    shape = [level(t, 240, 32) for t in range(0, 241, 10)]
+    assert shape[0] == 1 and shape[-1] == 1 and max(shape) == 32 == shape[12]
+    assert shape[:13] == sorted(shape[:13]) and shape[12:] == sorted(shape[12:], reverse=True)
