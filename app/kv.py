@@ -232,6 +232,15 @@ class KVStore:
         """Bytes of the blocks sequences hold (each block once, however many share it)."""
         return (self.pool.num_blocks - self.pool.free) * self.pool.block_bytes if self.pool else 0
 
+    @property
+    def live_bytes(self) -> int:
+        """Bytes of the blocks live sequences hold (each block once): what the pool cannot free without
+        evicting a sequence in use. Retired prefix donors, evicted first and for free, are not counted.
+        Safe to read from another thread while a forward runs (it reads snapshots)."""
+        retired = set(self._retired)
+        live = {b for seq_id, e in list(self._entries.items()) if seq_id not in retired for b in list(e.blocks)}
+        return len(live) * self.block_bytes
+
     def entry_bytes(self, entry: SequenceCache) -> int:
         """Bytes of the blocks one sequence holds (shared ones included)."""
         return len(entry.blocks) * self.block_bytes

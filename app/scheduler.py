@@ -74,13 +74,17 @@ class LoadMeter:
 
     def read(self) -> dict[str, float]:
         """Since the last read: busy (fraction of the time a forward ran, 0-1), items_per_forward,
-        tokens_per_forward, queue_wait_s (mean per item); then starts a new window."""
+        tokens_per_forward, queue_wait_s (mean per item) and queue_forwards (that wait in forwards of
+        the window's mean length: about 1 or less while every item makes the next forward, whatever
+        the hardware); then starts a new window."""
         now = self.clock()
         span = max(now - self._since, 1e-9)
         forwards = max(self._forwards, 1)
+        wait = self._waited / self._waits if self._waits else 0.0
+        forward_s = self._busy / forwards
         out = {"busy": min(1.0, self._busy / span), "items_per_forward": self._items / forwards,
-               "tokens_per_forward": self._tokens / forwards,
-               "queue_wait_s": self._waited / self._waits if self._waits else 0.0}
+               "tokens_per_forward": self._tokens / forwards, "queue_wait_s": wait,
+               "queue_forwards": wait / forward_s if forward_s > 0 else 0.0}
         self._reset(now)
         return out
 

@@ -188,7 +188,7 @@ def plot(reports: list[dict], path: str) -> None:
         ax2.set_ylabel("streams")
         ax.legend(loc="upper left")
         ax = axes[1][col]
-        for pool, names in (("draft", ("busy", "wait_share")), ("target", ("busy", "kv", "queue_wait_s"))):
+        for pool, names in (("draft", ("busy", "wait_share")), ("target", ("busy", "kv", "queue_forwards"))):
             for name in names:
                 ax.plot(t, [p["signals"][pool].get(name, float("nan")) for p in tl], label=f"{pool} {name}")
         ax.set_ylabel("signal")

@@ -10,9 +10,12 @@ averaged over `look_back_period_s`), and a policy per pool turns those figures i
 - A draft replica reports how busy its forward loop was (`busy`, the share of the time a forward
   ran), the sequences it drafted for per forward, and `wait_share`: the share of their rounds'
   time its callers (target replicas) spent waiting for proposals, which each call carries.
-- A target replica reports its KV occupancy (`kv`), its forwards' fill of the token budget
-  (`fill`), items' wait for a forward (`queue_wait_s`), the time its requests' first rounds took
-  (`ttft_s`: the prompt's prefill, queue included) and its own `busy`.
+- A target replica reports the KV its live sequences hold against its budget (`kv`; retired prefix
+  donors, evicted for free, do not count: counting them, a draft-bound ramp filled the pool with
+  donors and grew the target pool), its forwards' fill of the token budget (`fill`), items' wait for
+  a forward in seconds and in forwards (`queue_wait_s`, `queue_forwards`: about 1 or less while
+  every round makes the next forward, whatever the hardware), the time its requests' first rounds
+  took (`ttft_s`: the prompt's prefill, queue included) and its own `busy`.
 
 The policies return the replicas they want; Serve's wrapper applies the deployment's
 `min_replicas` / `max_replicas`, `upscale_delay_s` / `downscale_delay_s` (a want must last that
@@ -119,24 +122,24 @@ class TargetPoolPolicy:
     a saturated forward loop; it shrinks when every one of them is well below. One replica at a
     time: a target replica is a large load, and a new one takes minutes to hold its share."""
 
-    kv_up: float = 0.85  # KV occupancy (of the replica's budget)
+    kv_up: float = 0.85  # live sequences' KV (of the replica's budget)
     kv_down: float = 0.4
-    queue_up_s: float = 0.5  # an item's mean wait for a forward
-    queue_down_s: float = 0.05
+    queue_up: float = 2.0  # an item's mean wait for a forward, in forwards
+    queue_down: float = 0.5
     ttft_goal_s: float = 2.0  # the first round's time (prefill, queue included)
     busy_up: float = 0.95
     busy_down: float = 0.5
 
     def desired(self, current: int, metrics: dict | None) -> int:
-        kv, queue = _values(metrics, "kv"), _values(metrics, "queue_wait_s")
+        kv, queue = _values(metrics, "kv"), _values(metrics, "queue_forwards")
         ttft, busy = _values(metrics, "ttft_s"), _values(metrics, "busy")
         if not (kv or queue or ttft or busy) or current < 1:
             return current
-        hot = (_mean(kv) > self.kv_up or _mean(queue) > self.queue_up_s or max(ttft, default=0.0) > self.ttft_goal_s
+        hot = (_mean(kv) > self.kv_up or _mean(queue) > self.queue_up or max(ttft, default=0.0) > self.ttft_goal_s
                or _mean(busy) > self.busy_up)
         if hot:
             return current + 1
-        cold = (_mean(kv) < self.kv_down and _mean(queue) < self.queue_down_s
+        cold = (_mean(kv) < self.kv_down and _mean(queue) < self.queue_down
                 and max(ttft, default=0.0) < 0.5 * self.ttft_goal_s and _mean(busy) < self.busy_down)
         return current - 1 if cold and current > 1 else current
 

@@ -236,9 +236,9 @@ class TargetServer(_Server):
         load, rounds, cache = self.queue.load.read(), self.round_load.read(), self.cache
         budget = getattr(cache, "max_bytes", 0) or 0
         return self.metrics.signal({
-            "busy": load["busy"], "kv": cache.nbytes / budget if budget else 0.0,
+            "busy": load["busy"], "kv": cache.live_bytes / budget if budget else 0.0,
             "fill": load["tokens_per_forward"] / self.max_batch_tokens, "queue_wait_s": load["queue_wait_s"],
-            "ttft_s": rounds["ttft_s"]})
+            "queue_forwards": load["queue_forwards"], "ttft_s": rounds["ttft_s"]})
 
     async def _release_ranks(self, seq_id: str) -> None:
         await self.ranks.release(seq_id)

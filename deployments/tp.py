@@ -75,10 +75,12 @@ class CacheSnapshot:
     evictions: int = 0
     prefix_hit_tokens: int = 0
     max_bytes: int = 0  # the rank's KV budget (the group's agreed one)
+    live_bytes: int = 0  # held by live sequences (not retired prefix donors)
 
     @classmethod
     def of(cls, store) -> "CacheSnapshot":
-        return cls(store.nbytes, len(store), store.evictions, store.prefix_hit_tokens, store.max_bytes)
+        return cls(store.nbytes, len(store), store.evictions, store.prefix_hit_tokens, store.max_bytes,
+                   store.live_bytes)
 
     def __len__(self) -> int:
         return self.sequences

@@ -36,9 +36,10 @@ def test_load_meter_reads_busy_share_fill_and_waits_per_window():
     meter.waited(0.4)
     clock.t += 2.0
     assert meter.read() == pytest.approx({"busy": 0.75, "items_per_forward": 3.0, "tokens_per_forward": 15.0,
-                                          "queue_wait_s": 0.3})
+                                          "queue_wait_s": 0.3, "queue_forwards": 0.4})  # 0.3 s / 0.75 s a forward
     clock.t += 1.0  # a new window: nothing ran
-    assert meter.read() == {"busy": 0.0, "items_per_forward": 0.0, "tokens_per_forward": 0.0, "queue_wait_s": 0.0}
+    assert meter.read() == {"busy": 0.0, "items_per_forward": 0.0, "tokens_per_forward": 0.0, "queue_wait_s": 0.0,
+                            "queue_forwards": 0.0}
 
 
 def facts(round_s: float, draft_s: float = 0.0, drafted: int = 0, prompt: bool = False, hit=None) -> RoundFacts:
@@ -84,17 +85,17 @@ def test_draft_pool_policy(busy, wait, current, want):
 @pytest.mark.parametrize("signals,current,want", [
     ({"kv": [0.9, 0.8]}, 2, 3),  # KV pressure (mean 0.85 is not above: 0.9 and 0.95 are)
     ({"kv": [0.9, 0.95]}, 2, 3),
-    ({"queue_wait_s": [0.8]}, 1, 2),  # forwards queue
+    ({"queue_forwards": [3.0]}, 1, 2),  # rounds wait three forwards for theirs
     ({"ttft_s": [0.1, 3.0]}, 2, 3),  # one replica's first rounds past the goal
     ({"busy": [0.97]}, 1, 2),  # saturated forward loop
-    ({"kv": [0.6], "queue_wait_s": [0.1], "ttft_s": [0.5], "busy": [0.7]}, 2, 2),  # in the band: holds
-    ({"kv": [0.1, 0.2], "queue_wait_s": [0.0, 0.01], "ttft_s": [0.2, 0.3], "busy": [0.2, 0.3]}, 2, 1),  # cold
-    ({"kv": [0.1], "queue_wait_s": [0.0], "ttft_s": [1.5], "busy": [0.2]}, 2, 2),  # first rounds not cold: holds
-    ({"kv": [0.1], "queue_wait_s": [0.0], "ttft_s": [0.1], "busy": [0.1]}, 1, 1),
+    ({"kv": [0.6], "queue_forwards": [1.0], "ttft_s": [0.5], "busy": [0.7]}, 2, 2),  # in the band: holds
+    ({"kv": [0.1, 0.2], "queue_forwards": [0.0, 0.3], "ttft_s": [0.2, 0.3], "busy": [0.2, 0.3]}, 2, 1),  # cold
+    ({"kv": [0.1], "queue_forwards": [0.0], "ttft_s": [1.5], "busy": [0.2]}, 2, 2),  # first rounds not cold: holds
+    ({"kv": [0.1], "queue_forwards": [0.0], "ttft_s": [0.1], "busy": [0.1]}, 1, 1),
     ({}, 3, 3),
 ])
 def test_target_pool_policy(signals, current, want):
-    metrics = per_replica(**{"kv": [], "queue_wait_s": [], "ttft_s": [], "busy": [], **signals})
+    metrics = per_replica(**{"kv": [], "queue_forwards": [], "ttft_s": [], "busy": [], **signals})
     assert TargetPoolPolicy().desired(current, metrics) == want
 
 
@@ -164,9 +165,9 @@ def test_the_target_pool_holds_while_the_draft_pool_is_the_bottleneck(monkeypatc
     """The other pool stays put: a target replica that waits for proposals is neither hot nor cold."""
     cfg = shipped("TargetServer")
     policy = TargetPoolPolicy(**cfg["policy"]["policy_kwargs"])
-    waiting = per_replica(kv=[0.3], queue_wait_s=[0.01], ttft_s=[0.4], busy=[0.55])
+    waiting = per_replica(kv=[0.3], queue_forwards=[0.6], ttft_s=[0.4], busy=[0.55])
     assert serve_decisions(policy, cfg, waiting, 1, [0, 10, 20, 130], monkeypatch) == [1, 1, 1, 1]
-    hot = per_replica(kv=[0.3], queue_wait_s=[0.9], ttft_s=[2.5], busy=[0.99])
+    hot = per_replica(kv=[0.3], queue_forwards=[6.0], ttft_s=[0.5], busy=[0.9])
     assert serve_decisions(policy, cfg, hot, 1, [0, 10, 20], monkeypatch) == [1, 2, 2]  # max_replicas 2
 
 
@@ -176,3 +177,17 @@ def test_the_ramp_goes_one_to_peak_to_one():
     shape = [level(t, 240, 32) for t in range(0, 241, 10)]
     assert shape[0] == 1 and shape[-1] == 1 and max(shape) == 32 == shape[12]
     assert shape[:13] == sorted(shape[:13]) and shape[12:] == sorted(shape[12:], reverse=True)
+
+
+def test_kv_pressure_counts_live_sequences_not_retired_donors(target_runner):
+    """A pool full of finished sequences kept as prefix donors is no pressure: they go first, free."""
+    from app.runner import SeqInput
+
+    store = target_runner.cache
+    target_runner.forward([SeqInput("a", list(range(3, 40)), 1), SeqInput("b", list(range(5, 60)), 1)])
+    both = store.live_bytes
+    assert both == store.nbytes > 0
+    target_runner.release("a")  # retired: a prefix donor
+    assert 0 < store.live_bytes < both == store.nbytes
+    target_runner.release("b")
+    assert store.live_bytes == 0 < store.nbytes
