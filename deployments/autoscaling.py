@@ -8,8 +8,9 @@ reports its own load (`record_autoscaling_stats`, read by Serve once per `metric
 averaged over `look_back_period_s`), and a policy per pool turns those figures into a replica count.
 
 - A draft replica reports how busy its forward loop was (`busy`, the share of the time a forward
-  ran), the sequences it drafted for per forward, and `wait_share`: the share of their rounds'
-  time its callers (target replicas) spent waiting for proposals, which each call carries.
+  ran), the sequences it drafted for per forward, its proposals' wait for a forward in forwards
+  (`queue_forwards`), and `wait_share`: the share of their rounds' time its callers (target
+  replicas) spent waiting for proposals, which each call carries.
 - A target replica reports the KV its live sequences hold against its budget (`kv`; retired prefix
   donors, evicted for free, do not count: counting them, a draft-bound ramp filled the pool with
   donors and grew the target pool), its forwards' fill of the token budget (`fill`), items' wait for
@@ -91,24 +92,27 @@ def _mean(values: list[float]) -> float:
 
 @dataclass
 class DraftPoolPolicy:
-    """The draft pool grows when its callers wait for proposals or its forward loops are busy, and
-    shrinks when both are low. Up: the replicas that would bring mean busy back to `busy_target`
-    (at least one more). Down: one fewer."""
+    """The draft pool grows when its forward loops are busy, or when its callers wait for proposals
+    that queue at the draft (each waits for other sequences' forwards: more replicas shorten that;
+    a wait that is the draft's own steps, which no replica count shortens, does not grow it). It
+    shrinks when its loops are idle and nothing queues. Up: the replicas that would bring mean busy
+    back to `busy_target` (at least one more). Down: one fewer."""
 
     busy_up: float = 0.8  # mean busy fraction above which the pool grows
-    busy_down: float = 0.3  # and below which (with waits low) it may shrink
+    busy_down: float = 0.3  # and below which (nothing queueing) it may shrink
     busy_target: float = 0.6
     wait_up: float = 0.2  # share of the callers' round time spent waiting for proposals
-    wait_down: float = 0.05
+    queue_up: float = 1.0  # a proposal's mean wait for a draft forward, in forwards
+    queue_down: float = 0.25
 
     def desired(self, current: int, metrics: dict | None) -> int:
-        busy, wait = _values(metrics, "busy"), _values(metrics, "wait_share")
-        if not busy and not wait or current < 1:
+        busy, wait, queue = _values(metrics, "busy"), _values(metrics, "wait_share"), _values(metrics, "queue_forwards")
+        if not busy or current < 1:
             return current  # no figures yet (replicas starting): hold
-        mean_busy, mean_wait = _mean(busy), _mean(wait)
-        if mean_busy > self.busy_up or mean_wait > self.wait_up:
+        mean_busy, mean_wait, mean_queue = _mean(busy), _mean(wait), _mean(queue)
+        if mean_busy > self.busy_up or (mean_wait > self.wait_up and mean_queue > self.queue_up):
             return max(current + 1, math.ceil(sum(busy) / self.busy_target))
-        if mean_busy < self.busy_down and mean_wait < self.wait_down and current > 1:
+        if mean_busy < self.busy_down and mean_queue < self.queue_down and current > 1:
             return current - 1
         return current
 

@@ -146,7 +146,7 @@ class DraftServer(_Server):
         """The draft pool's signals since the last call (deployments/autoscaling.py)."""
         load = self.queue.load.read()
         return self.metrics.signal({"busy": load["busy"], "items_per_forward": load["items_per_forward"],
-                                    "wait_share": self.callers.read()})
+                                    "queue_forwards": load["queue_forwards"], "wait_share": self.callers.read()})
 
     async def release(self, seq_ids: Calls) -> None:
         """Free finished or cancelled sequences' caches (and again after a forward still computing them)."""

@@ -68,18 +68,19 @@ def test_caller_waits_average_and_ignore_what_is_not_a_share():
     assert waits.read() == 0.0
 
 
-@pytest.mark.parametrize("busy,wait,current,want", [
-    ([0.95, 0.9], [0.0, 0.0], 2, 4),  # busy: enough replicas to bring the mean to 0.6 (1.85 / 0.6 -> 4)
-    ([0.85], [0.0], 1, 2),  # busy, one replica: at least one more
-    ([0.5, 0.5], [0.3, 0.25], 2, 3),  # callers wait for proposals: grows though busy is moderate
-    ([0.5, 0.6], [0.1, 0.1], 2, 2),  # between the thresholds: holds (hysteresis)
-    ([0.1, 0.2], [0.0, 0.01], 3, 2),  # idle and nobody waits: one fewer
-    ([0.1, 0.2], [0.1, 0.1], 3, 3),  # idle but callers still wait: holds
-    ([0.05], [0.0], 1, 1),  # never below one here (min_replicas is Serve's)
-    ([], [], 2, 2),  # no figures yet: holds
+@pytest.mark.parametrize("busy,wait,queue,current,want", [
+    ([0.95, 0.9], [0.0, 0.0], [0.5, 0.5], 2, 4),  # busy: enough replicas to bring the mean to 0.6 (1.85 / 0.6 -> 4)
+    ([0.85], [0.0], [0.0], 1, 2),  # busy, one replica: at least one more
+    ([0.5, 0.5], [0.3, 0.25], [3.0, 2.0], 2, 3),  # callers wait for proposals that queue: grows
+    ([0.5, 0.5], [0.6, 0.6], [0.1, 0.2], 2, 2),  # they wait for the draft's own steps: more replicas would not help
+    ([0.5, 0.6], [0.1, 0.1], [0.5, 0.5], 2, 2),  # between the thresholds: holds (hysteresis)
+    ([0.1, 0.2], [0.6, 0.5], [0.0, 0.1], 3, 2),  # idle loops, nothing queues: one fewer, whatever callers wait
+    ([0.1, 0.2], [0.1, 0.1], [0.5, 0.4], 3, 3),  # idle but proposals still queue: holds
+    ([0.05], [0.0], [0.0], 1, 1),  # never below one here (min_replicas is Serve's)
+    ([], [], [], 2, 2),  # no figures yet: holds
 ])
-def test_draft_pool_policy(busy, wait, current, want):
-    assert DraftPoolPolicy().desired(current, per_replica(busy=busy, wait_share=wait)) == want
+def test_draft_pool_policy(busy, wait, queue, current, want):
+    assert DraftPoolPolicy().desired(current, per_replica(busy=busy, wait_share=wait, queue_forwards=queue)) == want
 
 
 @pytest.mark.parametrize("signals,current,want", [
@@ -147,17 +148,17 @@ def serve_decisions(policy, cfg: dict, metrics: dict, current: int, times: list[
 def test_a_draft_bound_load_grows_the_draft_pool_after_the_delay_up_to_its_bound(monkeypatch):
     cfg = shipped("DraftServer")
     policy = DraftPoolPolicy(**cfg["policy"]["policy_kwargs"])
-    busy = per_replica(busy=[0.98], wait_share=[0.4])
+    busy = per_replica(busy=[0.98], wait_share=[0.4], queue_forwards=[4.0])
     # wants more at once; Serve grants it once the want has lasted upscale_delay_s (10 s)
     assert serve_decisions(policy, cfg, busy, 1, [0, 5, 10], monkeypatch) == [1, 1, 2]
-    hot = per_replica(busy=[0.98] * 4, wait_share=[0.4] * 4)
+    hot = per_replica(busy=[0.98] * 4, wait_share=[0.4] * 4, queue_forwards=[4.0] * 4)
     assert serve_decisions(policy, cfg, hot, 4, [0, 10, 20], monkeypatch) == [4, 4, 4]  # max_replicas
 
 
 def test_an_idle_draft_pool_shrinks_only_after_the_down_delay(monkeypatch):
     cfg = shipped("DraftServer")
     policy = DraftPoolPolicy(**cfg["policy"]["policy_kwargs"])
-    idle = per_replica(busy=[0.05, 0.1, 0.1], wait_share=[0.0, 0.0, 0.0])
+    idle = per_replica(busy=[0.05, 0.1, 0.1], wait_share=[0.0, 0.0, 0.0], queue_forwards=[0.0, 0.0, 0.0])
     assert serve_decisions(policy, cfg, idle, 3, [0, 30, 59, 60], monkeypatch) == [3, 3, 3, 2]
 
 
