@@ -5,6 +5,7 @@ the critical path, then writes a JSON report and a plot (replicas and load again
 
     .venv/bin/python -m cluster.ramp --bottleneck draft  [--minutes 4] [--peak 32] [--json F] [--plot F]
     .venv/bin/python -m cluster.ramp --bottleneck target ...
+    .venv/bin/python -m cluster.ramp --baseline ...      # Serve's default policy, as shipped before
 
 The shipped config's policies and thresholds, delays and bounds, on fractional replicas (a 2-core
 machine holds them all). Which pool is the bottleneck is set by configuration:
@@ -39,6 +40,20 @@ def bottleneck_config(which: str) -> tuple[dict, dict]:
                  "speculation": {"draft_ahead": False, "goodput_gate": False, "draft_timeout_s": 30.0}},
                 {"speculation": {"num_tokens": 8}})
     return ({"target_batch": {"max_batch_size": 2}}, {"speculation": {"enabled": False}})
+
+
+# the autoscaling this project shipped before its own policies: Serve's default on ongoing requests
+BASELINE = {"DraftServer": {"target_ongoing_requests": 8}, "TargetServer": {"target_ongoing_requests": 16}}
+
+
+def baseline_deployments(config: dict) -> dict:
+    """Per-deployment overrides that put `config`'s pools back on Serve's default policy."""
+    out = {}
+    for d in config["applications"][0]["deployments"]:
+        if d["name"] in BASELINE:
+            cfg = {k: v for k, v in d["autoscaling_config"].items() if k != "policy"}
+            out[d["name"]] = {"autoscaling_config": {**cfg, **BASELINE[d["name"]]}}
+    return out
 
 
 def level(t: float, total: float, peak: int) -> int:
@@ -119,10 +134,14 @@ def percentile(values: list[float], q: float) -> float | None:
     return values[min(len(values) - 1, math.ceil(q * len(values)) - 1)]
 
 
-def ramp(which: str, minutes: float, peak: int, max_tokens: int, sample_s: float, progress=print) -> dict:
+def ramp(which: str, minutes: float, peak: int, max_tokens: int, sample_s: float, baseline: bool = False,
+         progress=print) -> dict:
     args, extra = bottleneck_config(which)
     with LocalCluster(system_config={"metrics_report_interval_ms": 1000}):
         config = load_config(args=args, port=_free_port())
+        if baseline:
+            config = load_config(args=args, port=config["http_options"]["port"],
+                                 deployments=baseline_deployments(config))
         port = config["http_options"]["port"]
         deploy(config, timeout_s=600)
         url = f"http://127.0.0.1:{port}"
@@ -150,7 +169,7 @@ def ramp(which: str, minutes: float, peak: int, max_tokens: int, sample_s: float
             for t in threads:
                 t.join(timeout=150)
     done = [r for r in load.records if r["ok"]]
-    return {"bottleneck": which, "minutes": minutes, "peak": peak, "max_tokens": max_tokens,
+    return {"bottleneck": which, "policies": "serve-default" if baseline else "shipped", "minutes": minutes, "peak": peak, "max_tokens": max_tokens,
             "requests": len(load.records), "completed": len(done), "timeline": timeline,
             "max_replicas": {p: max(x["replicas"][p] for x in timeline) for p in POOLS}}
 
@@ -182,7 +201,7 @@ def plot(reports: list[dict], path: str) -> None:
         ax.plot(t, [p["replicas"]["draft"] for p in tl], label="draft replicas", drawstyle="steps-post")
         ax.plot(t, [p["replicas"]["target"] for p in tl], label="target replicas", drawstyle="steps-post")
         ax.set_ylabel("replicas")
-        ax.set_title(f"{rep['bottleneck']}-bound ramp, 1 -> {rep['peak']} -> 1 streams")
+        ax.set_title(f"{rep['bottleneck']}-bound ramp, 1 -> {rep['peak']} -> 1 streams, {rep.get('policies', 'shipped')}")
         ax2 = ax.twinx()
         ax2.plot(t, [p["streams"] for p in tl], color="grey", alpha=0.4, label="streams")
         ax2.set_ylabel("streams")
@@ -212,10 +231,13 @@ def main() -> None:
     ap.add_argument("--peak", type=int, default=32)
     ap.add_argument("--max-tokens", type=int, default=32)
     ap.add_argument("--sample-s", type=float, default=3.0)
+    ap.add_argument("--baseline", action="store_true",
+                    help="Serve's default policy on ongoing requests, as shipped before (draft 8, target 16)")
     ap.add_argument("--json", help="write the reports here")
     ap.add_argument("--plot", help="write the plot here (PNG)")
     a = ap.parse_args()
-    reports = [ramp(which, a.minutes, a.peak, a.max_tokens, a.sample_s) for which in a.bottleneck or ["draft", "target"]]
+    reports = [ramp(which, a.minutes, a.peak, a.max_tokens, a.sample_s, a.baseline)
+               for which in a.bottleneck or ["draft", "target"]]
     for rep in reports:
         print(f"{rep['bottleneck']}-bound: {rep['completed']}/{rep['requests']} requests, "
               f"most replicas {rep['max_replicas']}")

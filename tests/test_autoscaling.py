@@ -49,13 +49,14 @@ def load_until(url: str, done, body: dict, seconds: float = 90) -> None:
 
 
 def test_draft_and_target_scale_independently(tmp_path):
-    """A draft-bound load (8 tokens drafted a round, nothing drafted ahead: every round waits for
-    eight draft steps) grows the draft pool and not the target pool. Then a load the target cannot
+    """A draft-bound load (one sequence per draft forward, 8 tokens drafted a round, nothing drafted
+    ahead: proposals queue at the draft) grows the draft pool and not the target pool. Then a load the target cannot
     serve within its first-round goal (set to 1 ms here), with speculation off, grows the target
     pool and leaves the draft pool as it is."""
     target, draft = save_tiny_pair(tmp_path)
     args = {"target": {"model": target, "dtype": "float32"}, "draft": {"model": draft},
-            "speculation": {"draft_timeout_s": 30.0, "draft_ahead": False, "goodput_gate": False}}
+            "speculation": {"draft_timeout_s": 30.0, "draft_ahead": False, "goodput_gate": False},
+            "draft_batch": {"max_batch_size": 1}}
     with running_app(target, draft, args=args, deployments={"DraftServer": autoscaling("DraftServer"),
                                                             "TargetServer": autoscaling("TargetServer")}) as url:
         load_until(url, lambda: running("DraftServer") >= 2, {"speculation": {"num_tokens": 8}})

@@ -192,3 +192,14 @@ def test_kv_pressure_counts_live_sequences_not_retired_donors(target_runner):
     assert 0 < store.live_bytes < both == store.nbytes
     target_runner.release("b")
     assert store.live_bytes == 0 < store.nbytes
+
+
+def test_the_ramps_baseline_is_serves_default_policy_on_ongoing_requests():
+    from cluster.local import load_config
+    from cluster.ramp import baseline_deployments
+
+    over = baseline_deployments(load_config())
+    for name, ongoing in (("DraftServer", 8), ("TargetServer", 16)):
+        cfg = over[name]["autoscaling_config"]
+        assert "policy" not in cfg and cfg["target_ongoing_requests"] == ongoing
+        assert cfg["max_replicas"] == shipped(name)["max_replicas"]
