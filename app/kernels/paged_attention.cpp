@@ -30,6 +30,20 @@ struct Args {
   float scale;
 };
 
+// Every (position j, row r) pair of a span where row r sees position j, in the order the positions
+// lie in the table's blocks: fn(j, r, the vector of position j in `pool`).
+template <typename Fn>
+void visit(const Args& a, const int64_t* table, int64_t end, int64_t start, int64_t rows, const float* pool, Fn fn) {
+  for (int64_t j0 = 0; j0 < end; j0 += a.block) {
+    const int64_t base = table[j0 / a.block] * a.block, n = std::min(a.block, end - j0);
+    for (int64_t jj = 0; jj < n; ++jj) {
+      const int64_t j = j0 + jj;
+      const float* vec = pool + (base + jj) * a.dim;
+      for (int64_t r = std::max<int64_t>(0, j - start); r < rows; ++r) fn(j, r, vec);
+    }
+  }
+}
+
 // One (span, query head): scores of every row over its visible keys, softmax, weighted values.
 void span_head(const Args& a, int64_t i, int64_t h, std::vector<float>& scores) {
   const int64_t first = a.spans[4 * i], rows = a.spans[4 * i + 1], start = a.spans[4 * i + 2];
@@ -41,20 +55,13 @@ void span_head(const Args& a, int64_t i, int64_t h, std::vector<float>& scores) 
   scores.resize(static_cast<size_t>(rows * end));
   float* s = scores.data();
 
-  for (int64_t j0 = 0; j0 < end; j0 += a.block) {
-    const int64_t base = table[j0 / a.block] * a.block, n = std::min(a.block, end - j0);
-    for (int64_t jj = 0; jj < n; ++jj) {
-      const int64_t j = j0 + jj;
-      const float* key = keys + (base + jj) * dim;
-      for (int64_t r = std::max<int64_t>(0, j - start); r < rows; ++r) {
-        const float* query = a.q + h * a.q_head + (first + r) * a.q_row;
-        float acc = 0.f;
+  visit(a, table, end, start, rows, keys, [&](int64_t j, int64_t r, const float* key) {
+    const float* query = a.q + h * a.q_head + (first + r) * a.q_row;
+    float acc = 0.f;
 #pragma omp simd reduction(+ : acc)
-        for (int64_t x = 0; x < dim; ++x) acc += query[x] * key[x];
-        s[r * end + j] = acc * a.scale;
-      }
-    }
-  }
+    for (int64_t x = 0; x < dim; ++x) acc += query[x] * key[x];
+    s[r * end + j] = acc * a.scale;
+  });
   for (int64_t r = 0; r < rows; ++r) {
     float* sr = s + r * end;
     const int64_t seen = start + r + 1;
@@ -74,19 +81,12 @@ void span_head(const Args& a, int64_t i, int64_t h, std::vector<float>& scores) 
     float* o = a.out + ((first + r) * a.heads_q + h) * dim;
     std::fill(o, o + dim, 0.f);
   }
-  for (int64_t j0 = 0; j0 < end; j0 += a.block) {
-    const int64_t base = table[j0 / a.block] * a.block, n = std::min(a.block, end - j0);
-    for (int64_t jj = 0; jj < n; ++jj) {
-      const int64_t j = j0 + jj;
-      const float* value = values + (base + jj) * dim;
-      for (int64_t r = std::max<int64_t>(0, j - start); r < rows; ++r) {
-        const float p = s[r * end + j];
-        float* o = a.out + ((first + r) * a.heads_q + h) * dim;
+  visit(a, table, end, start, rows, values, [&](int64_t j, int64_t r, const float* value) {
+    const float p = s[r * end + j];
+    float* o = a.out + ((first + r) * a.heads_q + h) * dim;
 #pragma omp simd
-        for (int64_t x = 0; x < dim; ++x) o[x] += p * value[x];
-      }
-    }
-  }
+    for (int64_t x = 0; x < dim; ++x) o[x] += p * value[x];
+  });
 }
 
 void run(const Args& a, int64_t n_spans, int64_t begin, int64_t step) {
