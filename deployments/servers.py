@@ -191,7 +191,8 @@ class TargetServer(_Server):
                              ahead=speculation.draft_ahead)
         if draft is not None:
             self._warming = _start(self._connect(draft))
-        client = DraftClient(draft, max_batch=None, wait_share=lambda: self.round_load.wait_share) if draft else None
+        client = (DraftClient(draft, max_batch=None, wait_share=lambda: self.round_load.wait_share)
+                  if draft is not None else None)
         self.engine = Engine(self.queue, client,
                              tokenizer=tokenizer, vocab_size=vocab, max_context=max_context,
                              k_max=speculation.k_max, policy=policy, verify_cost=self._verify_cost,
@@ -233,8 +234,10 @@ class TargetServer(_Server):
 
     async def record_autoscaling_stats(self) -> dict[str, float]:
         """The target pool's signals since the last call (deployments/autoscaling.py)."""
+        if self.ranks:
+            await self.ranks.stats()  # rank 0's occupancy now, live sequences counted
         load, rounds, cache = self.queue.load.read(), self.round_load.read(), self.cache
-        budget = getattr(cache, "max_bytes", 0) or 0
+        budget = cache.max_bytes
         return self.metrics.signal({
             "busy": load["busy"], "kv": cache.live_bytes / budget if budget else 0.0,
             "fill": load["tokens_per_forward"] / self.max_batch_tokens, "queue_wait_s": load["queue_wait_s"],

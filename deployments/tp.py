@@ -75,12 +75,13 @@ class CacheSnapshot:
     evictions: int = 0
     prefix_hit_tokens: int = 0
     max_bytes: int = 0  # the rank's KV budget (the group's agreed one)
-    live_bytes: int = 0  # held by live sequences (not retired prefix donors)
+    live_bytes: int = 0  # held by live sequences (not retired prefix donors); only when asked for
 
     @classmethod
-    def of(cls, store) -> "CacheSnapshot":
+    def of(cls, store, live: bool = False) -> "CacheSnapshot":
+        """`live`: count live sequences' blocks too (a walk over every table: for stats, not per round)."""
         return cls(store.nbytes, len(store), store.evictions, store.prefix_hit_tokens, store.max_bytes,
-                   store.live_bytes)
+                   store.live_bytes if live else 0)
 
     def __len__(self) -> int:
         return self.sequences
@@ -119,7 +120,7 @@ class RankWorker:
         self.runner.forget(seq_id)
 
     def stats(self) -> "CacheSnapshot":
-        return CacheSnapshot.of(self.runner.cache)
+        return CacheSnapshot.of(self.runner.cache, live=True)
 
     def ping(self) -> int:
         return self.rank
