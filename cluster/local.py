@@ -28,8 +28,13 @@ STARTUP_TIMEOUT = "timed out during startup"
 # the second user-code thread was fighting the forward thread for the GIL on every chunk.
 # The proxy callback installs HTTP failover in Serve's proxy: a request whose ingress replica dies
 # is sent again and a stream continues where it was cut (deployments/failover.py).
+# A stopping direct-ingress replica keeps serving for a floor of 30 s by default, so that an external
+# load balancer (a cloud ALB) can take it out of rotation first. Here the only one in front is Serve's
+# own proxy, told at once: 2 s. Every shutdown of a local cluster and every ingress scale-down waited
+# the 30 s before (about 5 minutes of the test suite); the k8s manifests keep the default.
 SERVE_ENV = {"RAY_SERVE_THROUGHPUT_OPTIMIZED": "1",
-             "RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH": "deployments.failover.proxy_middlewares"}
+             "RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH": "deployments.failover.proxy_middlewares",
+             "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S": "2"}
 
 
 class LocalCluster:
