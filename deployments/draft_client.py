@@ -2,18 +2,20 @@
 
 The rounds of the sequences a replica verified together finish together, so their next proposals
 are asked for in the same event-loop turn; the client sends them as one `Calls` per draft replica
-(each Serve call costs milliseconds of Ray and Serve bookkeeping). A sequence's calls go to the
-draft replica that served it last (its home, where its draft KV cache is), see deployments.affinity.
-Any failure of the draft pool reaches the engine as DraftUnavailable: that sequence fails open.
+(each Serve call costs milliseconds of Ray and Serve bookkeeping). A sequence's calls go to its
+home, the draft replica that holds its draft KV cache; `Homes` (deployments.affinity) places new
+sequences and rebalances when the pool grows or shrinks. Any failure of the draft pool reaches the
+engine as DraftUnavailable: that sequence fails open.
 """
 
+import asyncio
 import logging
 from collections.abc import Callable
 
 from app.batching import MicroBatcher
 from app.driver import DraftUnavailable
 from app.spec import Proposal, ProposeItem
-from deployments.affinity import Calls
+from deployments.affinity import Calls, Homes, members
 from deployments.router import own_serve_request
 
 log = logging.getLogger("ray.serve")
@@ -22,33 +24,47 @@ log = logging.getLogger("ray.serve")
 class DraftClient:
     """propose / release against a DraftServer deployment handle (the engine's draft transport)."""
 
-    def __init__(self, handle, max_batch: int | None = None, wait_share: Callable[[], float] | None = None):
+    def __init__(self, handle, max_batch: int | None = None, wait_share: Callable[[], float] | None = None,
+                 pool: Callable[[], frozenset[str] | None] | None = None):
         self.handle = handle
         # the share of this replica's round time spent waiting for proposals, sent with every call:
         # the draft pool's autoscaling signal (deployments/autoscaling.py)
         self.wait_share = wait_share or (lambda: 0.0)
-        self._homes: dict[str, str] = {}  # seq id -> draft replica id
+        # the draft pool's replica ids as this process's router sees them (None before its first call)
+        self.pool = pool or (lambda: members(handle.app_name, handle.deployment_name))
+        self.homes = Homes()
+        self.moved = 0  # sequences moved to another draft replica when the pool changed
         self._calls = MicroBatcher(self._call, max_batch)
+        self._releases: set[asyncio.Task] = set()
 
     def _call(self, items: list[ProposeItem], home: str | None):
         with own_serve_request():  # several calls of one target request may be in flight at once
             return self.handle.propose_many.remote(Calls(items, home, wait_share=self.wait_share()))
 
     async def submit(self, item: ProposeItem) -> Proposal:
+        pool = self.pool()
+        for old, seq_ids in self.homes.settle(pool).items():  # the pool changed: free what moved away
+            self.moved += len(seq_ids)
+            task = asyncio.ensure_future(self._release(seq_ids, old))
+            self._releases.add(task)
+            task.add_done_callback(self._releases.discard)
+        home = self.homes.place(item.seq_id, pool)
         try:
-            proposal = await self._calls.submit(item, self._homes.get(item.seq_id))
+            proposal = await self._calls.submit(item, home)
         except Exception as e:  # a dead replica, an overloaded pool, a bad answer: all fail open
-            self._homes.pop(item.seq_id, None)  # its home may be gone: let the next call go anywhere
+            self.homes.forget(item.seq_id)  # its home may be gone: let the next call be placed afresh
             log.warning("draft pool failed for %s: %s", item.seq_id, type(e).__name__)
             raise DraftUnavailable(f"{type(e).__name__}: {e}") from e
         if "replica" in proposal.stats:
-            self._homes[item.seq_id] = proposal.stats["replica"]
+            self.homes.record(item.seq_id, home, proposal.stats["replica"])
         return proposal
 
     async def release(self, seq_id: str) -> None:
         """Free the sequence's draft cache on its home replica; a gone replica took it along."""
-        home = self._homes.pop(seq_id, None)
+        await self._release([seq_id], self.homes.forget(seq_id))
+
+    async def _release(self, seq_ids: list[str], home: str | None) -> None:
         try:
-            await self.handle.release.remote(Calls([seq_id], home))
+            await self.handle.release.remote(Calls(seq_ids, home))
         except Exception as e:
-            log.info("draft cache release for %s failed: %s", seq_id, type(e).__name__)
+            log.info("draft cache release for %s failed: %s", seq_ids, type(e).__name__)

@@ -191,9 +191,9 @@ class TargetServer(_Server):
                              ahead=speculation.draft_ahead)
         if draft is not None:
             self._warming = _start(self._connect(draft))
-        client = (DraftClient(draft, max_batch=None, wait_share=lambda: self.round_load.wait_share)
-                  if draft is not None else None)
-        self.engine = Engine(self.queue, client,
+        self.draft_client = (DraftClient(draft, max_batch=None, wait_share=lambda: self.round_load.wait_share)
+                             if draft is not None else None)
+        self.engine = Engine(self.queue, self.draft_client,
                              tokenizer=tokenizer, vocab_size=vocab, max_context=max_context,
                              k_max=speculation.k_max, policy=policy, verify_cost=self._verify_cost,
                              prefill_chunk=batch.prefill_chunk_tokens, eos_ids=eos, kv_capacity=kv_capacity,
@@ -248,9 +248,14 @@ class TargetServer(_Server):
         self.metrics.cache(self.cache)
 
     async def stats(self) -> dict:
+        """The base stats, and where this replica's sequences are drafted: {draft replica: sequences}."""
         if self.ranks:
             await self.ranks.stats()
-        return await super().stats()
+        stats = await super().stats()
+        if self.draft_client is not None:
+            stats["draft_homes"] = self.draft_client.homes.counts()
+            stats["draft_moves"] = self.draft_client.moved
+        return stats
 
     async def check_health(self) -> None:
         """Unhealthy when a rank worker died or hangs: Serve then replaces the replica and its group."""

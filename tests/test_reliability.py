@@ -54,6 +54,7 @@ def app_config(pair, port: int, name: str) -> dict:
     args = {"target": {"model": pair[0], "dtype": "float32"}, "draft": {"model": pair[1]},
             "speculation": {"draft_timeout_s": 5.0, "draft_retry_after_s": 1.0}}
     replicas = {"faults": {"DraftServer": 1, "TargetServer": 2},
+                "two drafts": {"DraftServer": 2, "TargetServer": 2},
                 "limits": {"DraftServer": 1, "TargetServer": 1}}[name]
     deployments = {"TargetServer": TARGET_CAPACITY} if name == "limits" else {}
     if name == "limits":
@@ -138,10 +139,12 @@ class Outcome:
 
 
 async def stream(client: httpx.AsyncClient, url: str, prompt: str, max_tokens: int = N, spec: dict | None = None,
-                 started: asyncio.Event | None = None, stop_after: int | None = None) -> Outcome:
-    """POST a streamed greedy completion and read it to the end (or `stop_after` text chunks)."""
+                 started: asyncio.Event | None = None, stop_after: int | None = None,
+                 sampling: dict | None = None) -> Outcome:
+    """POST a streamed completion (greedy, or `sampling`) and read it to the end (or `stop_after` text chunks)."""
     body = {"model": "target", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
-            "stream": True, "stream_options": {"include_usage": True}, "speculation": spec or {"num_tokens": 3}}
+            "stream": True, "stream_options": {"include_usage": True}, "speculation": spec or {"num_tokens": 3},
+            **(sampling or {})}
     out, t0, chunks = Outcome(prompt), time.monotonic(), 0
     try:
         async with client.stream("POST", f"{url}/v1/completions", json=body) as r:
@@ -169,11 +172,12 @@ async def stream(client: httpx.AsyncClient, url: str, prompt: str, max_tokens: i
 
 
 async def load_run(url: str, prompts: list[str], during=None, max_tokens: int = N, spec: dict | None = None,
-                   timeout_s: float = 120) -> list[Outcome]:
+                   timeout_s: float = 120, sampling: dict | None = None) -> list[Outcome]:
     """All prompts at once, streamed; `during()` runs in a thread once the first tokens arrived."""
     started = asyncio.Event()
     async with httpx.AsyncClient(timeout=60, limits=httpx.Limits(max_connections=64)) as client:
-        tasks = [asyncio.create_task(stream(client, url, p, max_tokens, spec, started)) for p in prompts]
+        tasks = [asyncio.create_task(stream(client, url, p, max_tokens, spec, started, sampling=sampling))
+                 for p in prompts]
         if during is not None:
             await asyncio.wait_for(started.wait(), 60)
             await asyncio.to_thread(during)
@@ -230,6 +234,54 @@ def test_draft_killed_mid_load_fails_open_then_speculates_again(deployed, refere
     _, figures, recovered = fault_run(url, reference, PROMPTS, "DraftServer", speculating, "draft killed")
     assert figures["completed"] == figures["sent"] and figures["differing"] == 0
     assert recovered, "speculation did not resume within 90 s of the draft replica's death"
+
+
+SEEDED = {"temperature": 0.9, "seed": 11}
+
+
+@pytest.mark.slow
+def test_draft_pool_scaled_up_then_down_mid_load_changes_no_output(deployed, reference):
+    """The draft pool goes 1 -> 2 -> 1 replicas (Serve starts one, then stops one gracefully) while waves
+    of greedy and seeded streams run: the target replicas move sequences to the new draft replica and
+    off the removed one (deployments/affinity.py, Homes), and every output is what it is without scaling."""
+    url = deployed("faults")
+    wait_until(lambda: running("TargetServer") == 2 and running("DraftServer") == 1, 120)
+    seeded_ref = {o.prompt: o.text for o in asyncio.run(load_run(url, PROMPTS, sampling=SEEDED))}
+    homes_seen: set[str] = set()
+    done, steps = threading.Event(), {}
+
+    def scale():
+        try:
+            deployed("two drafts")
+            steps["up"] = wait_until(lambda: running("DraftServer") == 2, 120)
+            # the target replicas' draft homes while two draft replicas serve (polled; the waves run on)
+            steps["both drafting"] = wait_until(
+                lambda: homes_seen.update(server_stats("TargetServer").get("draft_homes", {})) or len(homes_seen) > 1, 60)
+            deployed("faults")
+            steps["down"] = wait_until(lambda: len(replicas("DraftServer")) == 1 and running("DraftServer") == 1, 120)
+        finally:
+            done.set()
+
+    async def wave():
+        return await asyncio.gather(load_run(url, PROMPTS), load_run(url, PROMPTS, sampling=SEEDED))
+
+    scaler = threading.Thread(target=scale)
+    scaler.start()
+    greedy, seeded, waves = [], [], 0
+    while not done.is_set() and waves < 60:  # ~3-4 s a wave; scaling takes well under a minute
+        g, s = asyncio.run(wave())
+        greedy += g
+        seeded += s
+        waves += 1
+    scaler.join(timeout=300)
+    figures = tally(greedy, reference)
+    differing_seeded = sum(not (o.finished and not o.error and o.text == seeded_ref[o.prompt]) for o in seeded)
+    print(f"\n[draft pool 1 -> 2 -> 1] " + " ".join(f"{k}={v}" for k, v in figures.items())
+          + f" seeded={len(seeded)} seeded_differing={differing_seeded} waves={waves} steps={steps}"
+          f" draft_homes_seen={len(homes_seen)} moves(one target)={server_stats('TargetServer').get('draft_moves')}")
+    assert steps.get("up") and steps.get("both drafting") and steps.get("down"), steps
+    assert figures["completed"] == figures["sent"] and figures["differing"] == 0
+    assert differing_seeded == 0
 
 
 @pytest.mark.slow
