@@ -3,9 +3,12 @@ own signals (deployments/autoscaling.py). It records, every few seconds, the rep
 the signals each replica gave its policy, client TTFT and TPOT (p50, p99) and the draft's share of
 the critical path, then writes a JSON report and a plot (replicas and load against time).
 
-    .venv/bin/python -m cluster.ramp --bottleneck draft  [--minutes 4] [--peak 32] [--json F] [--plot F]
+    .venv/bin/python -m cluster.ramp --bottleneck draft  [--minutes 4] [--tail 3] [--peak 32] [--json F] [--plot F]
     .venv/bin/python -m cluster.ramp --bottleneck target ...
     .venv/bin/python -m cluster.ramp --baseline ...      # Serve's default policy, as shipped before
+
+`--tail` minutes at one stream follow the ramp, so that the scale-down delays (60 s for the draft
+pool, 120 s for the target pool) pass and the plot shows the pools shrink back.
 
 The shipped config's policies and thresholds, delays and bounds, on fractional replicas (a 2-core
 machine holds them all). Which pool is the bottleneck is set by configuration:
@@ -135,7 +138,7 @@ def percentile(values: list[float], q: float) -> float | None:
 
 
 def ramp(which: str, minutes: float, peak: int, max_tokens: int, sample_s: float, baseline: bool = False,
-         progress=print) -> dict:
+         tail_minutes: float = 0.0, progress=print) -> dict:
     args, extra = bottleneck_config(which)
     with LocalCluster(system_config={"metrics_report_interval_ms": 1000}):
         config = load_config(args=args, port=_free_port())
@@ -151,7 +154,7 @@ def ramp(which: str, minutes: float, peak: int, max_tokens: int, sample_s: float
             t.start()
         total, start, timeline = minutes * 60, time.monotonic(), []
         try:
-            while (now := time.monotonic() - start) < total:
+            while (now := time.monotonic() - start) < total + tail_minutes * 60:  # the tail: one stream
                 load.level = level(now, total, peak)
                 with load.lock:
                     recent = [r for r in load.records if r["end"] >= start + now - 10 and r["ok"]]
@@ -169,13 +172,22 @@ def ramp(which: str, minutes: float, peak: int, max_tokens: int, sample_s: float
             for t in threads:
                 t.join(timeout=150)
     done = [r for r in load.records if r["ok"]]
-    return {"bottleneck": which, "policies": "serve-default" if baseline else "shipped", "minutes": minutes, "peak": peak, "max_tokens": max_tokens,
+    return {"bottleneck": which, "policies": "serve-default" if baseline else "shipped", "minutes": minutes,
+            "tail_minutes": tail_minutes, "peak": peak, "max_tokens": max_tokens,
             "requests": len(load.records), "completed": len(done), "timeline": timeline,
-            "max_replicas": {p: max(x["replicas"][p] for x in timeline) for p in POOLS}}
+            "max_replicas": {p: max(x["replicas"][p] for x in timeline) for p in POOLS},
+            "last_replicas": timeline[-1]["replicas"] if timeline else {},
+            # over the whole run, every completed request
+            **{f"{key}_{name}": percentile([r[f"{key}_s"] for r in done], q)
+               for key in ("ttft", "tpot") for name, q in (("p50", 0.5), ("p99", 0.99))}}
 
 
 def _short(sig: dict) -> str:
     return "{" + ", ".join(f"{k}={v:.2f}" for k, v in sig.items()) + "}"
+
+
+def _ms(seconds: float | None) -> str:
+    return "-" if seconds is None else f"{1000 * seconds:.0f}"
 
 
 def _free_port() -> int:
@@ -202,6 +214,9 @@ def plot(reports: list[dict], path: str) -> None:
         ax.plot(t, [p["replicas"]["target"] for p in tl], label="target replicas", drawstyle="steps-post")
         ax.set_ylabel("replicas")
         ax.set_title(f"{rep['bottleneck']}-bound ramp, 1 -> {rep['peak']} -> 1 streams, {rep.get('policies', 'shipped')}")
+        if rep.get("tail_minutes"):
+            for a in axes[:, col]:
+                a.axvline(rep["minutes"] * 60, color="grey", linestyle=":", linewidth=1)  # the tail starts
         ax2 = ax.twinx()
         ax2.plot(t, [p["streams"] for p in tl], color="grey", alpha=0.4, label="streams")
         ax2.set_ylabel("streams")
@@ -230,17 +245,20 @@ def main() -> None:
     ap.add_argument("--minutes", type=float, default=4.0)
     ap.add_argument("--peak", type=int, default=32)
     ap.add_argument("--max-tokens", type=int, default=32)
+    ap.add_argument("--tail", type=float, default=0.0, help="minutes at one stream after the ramp")
     ap.add_argument("--sample-s", type=float, default=3.0)
     ap.add_argument("--baseline", action="store_true",
                     help="Serve's default policy on ongoing requests, as shipped before (draft 8, target 16)")
     ap.add_argument("--json", help="write the reports here")
     ap.add_argument("--plot", help="write the plot here (PNG)")
     a = ap.parse_args()
-    reports = [ramp(which, a.minutes, a.peak, a.max_tokens, a.sample_s, a.baseline)
+    reports = [ramp(which, a.minutes, a.peak, a.max_tokens, a.sample_s, a.baseline, a.tail)
                for which in a.bottleneck or ["draft", "target"]]
     for rep in reports:
         print(f"{rep['bottleneck']}-bound: {rep['completed']}/{rep['requests']} requests, "
-              f"most replicas {rep['max_replicas']}")
+              f"most replicas {rep['max_replicas']}, at the end {rep['last_replicas']}, "
+              f"TTFT p50/p99 {_ms(rep['ttft_p50'])}/{_ms(rep['ttft_p99'])} ms, "
+              f"TPOT p50/p99 {_ms(rep['tpot_p50'])}/{_ms(rep['tpot_p99'])} ms")
     if a.json:
         with open(a.json, "w") as f:
             json.dump(reports, f, indent=1)
