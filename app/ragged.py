@@ -26,7 +26,7 @@ Inside the op, attention takes one of three paths (`ModelRunner(attention=...)`)
   call per layer of a small C++ kernel reading each row's keys through its block table
   (app/cpu_attention.py); longer spans (prompts) one SDPA call each over their blocks in place.
 - "per_sequence": one SDPA call per sequence over its blocks in place.
-All three run on a CPU, and the tests check each (app/kv_bench.py measures them).
+All three run on a CPU, and the tests check each (tools/kv_bench.py measures them).
 """
 
 import threading

@@ -22,7 +22,7 @@ def resolve_models(cfg: AppConfig) -> tuple[str, str | None]:
     """Model paths; unnamed models come from the demo pair (built on first use)."""
     target, draft = cfg.target.model, cfg.draft.model if cfg.draft else None
     if target is None or (cfg.draft is not None and draft is None):
-        from app.demo import demo_pair
+        from demo import demo_pair
 
         demo_target, demo_draft = demo_pair(quick=cfg.demo_quick)
         target = target or demo_target

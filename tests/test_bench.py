@@ -7,7 +7,7 @@ import json
 import pytest
 import torch
 
-from app import bench
+from tools import bench
 
 KEYS = ["output_tokens_per_s", "ttft_ms", "tpot_ms", "itl_ms", "tau", "acceptance_rate", "alpha",
         "acceptance_by_position", "mean_k", "c_measured", "c_estimator", "bound", "speedup", "efficiency",
@@ -85,7 +85,7 @@ def test_prompts_file_formats(tmp_path, text, expected):
 
 
 def test_prefill_bench_reports_both_modes(model_dirs, capsys):
-    from app import prefill_bench
+    from tools import prefill_bench
 
     threads = str(torch.get_num_threads())  # leave the suite's setting as it was
     assert prefill_bench.main(["--target", model_dirs["target"], "--streams", "2", "--prompt-tokens", "150",

@@ -276,7 +276,7 @@ def test_draft_pool_scaled_up_then_down_mid_load_changes_no_output(deployed, ref
     scaler.join(timeout=300)
     figures = tally(greedy, reference)
     differing_seeded = sum(not (o.finished and not o.error and o.text == seeded_ref[o.prompt]) for o in seeded)
-    print(f"\n[draft pool 1 -> 2 -> 1] " + " ".join(f"{k}={v}" for k, v in figures.items())
+    print("\n[draft pool 1 -> 2 -> 1] " + " ".join(f"{k}={v}" for k, v in figures.items())
           + f" seeded={len(seeded)} seeded_differing={differing_seeded} waves={waves} steps={steps}"
           f" draft_homes_seen={len(homes_seen)} moves(one target)={server_stats('TargetServer').get('draft_moves')}")
     assert steps.get("up") and steps.get("both drafting") and steps.get("down"), steps

@@ -31,7 +31,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
 from app import dtypes
-from app.bench import K_MATCHED, MODES, Mode, forward_ms, run_engine, run_hf
+from tools.bench import K_MATCHED, MODES, Mode, forward_ms, run_engine, run_hf
 from app.driver import DraftPolicy
 from app.engine import Engine
 from app.params import SamplingParams
@@ -230,7 +230,7 @@ def benchmark(device: str, smoke: bool) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m app.gpu_check", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m tools.gpu_check", description=__doc__.splitlines()[0])
     p.add_argument("--device", default="cuda", help="torch device (default cuda)")
     p.add_argument("--smoke", action="store_true", help="tiny sizes: the same code in seconds, e.g. on a CPU")
     p.add_argument("--json", help="write the report here")

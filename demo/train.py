@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
-from app.demo.muon import Muon
+from demo.muon import Muon
 
 BOS, EOS = "<s>", "</s>"
 

@@ -9,7 +9,7 @@ def _models(args) -> tuple[str, str | None]:
     """The target and draft to use: the ones given, else the demo pair (built on first use)."""
     if args.target:
         return args.target, args.draft
-    from app.demo import demo_pair
+    from demo import demo_pair
 
     target, draft = demo_pair(quick=getattr(args, "quick", False))
     return target, args.draft or draft
@@ -30,7 +30,7 @@ def cmd_generate(args) -> int:
 
 
 def cmd_demo_models(args) -> int:
-    from app.demo import build_cli
+    from demo import build_cli
 
     return build_cli(args)
 
@@ -45,7 +45,7 @@ def cmd_serve(args) -> int:
     if args.draft:
         overrides["draft"] = {"model": args.draft}
     if not args.target or not args.draft:
-        from app.demo import demo_pair
+        from demo import demo_pair
 
         demo_pair(quick=args.quick)  # build with a progress bar here, before the replicas need it
     config = load_config(args.config, args=overrides, port=args.port, host=args.host)
@@ -63,6 +63,17 @@ def cmd_serve(args) -> int:
         stop.wait()
         print("stopping the app and the cluster...", flush=True)
     return 0
+
+
+def cmd_bench(args) -> int:
+    """In process, or with --url the sweep against a running server."""
+    if args.url:
+        from tools.bench_http import url_cli
+
+        return url_cli(args)
+    from tools.bench import bench_cli
+
+    return bench_cli(args)
 
 
 def _served_name(config: dict) -> str:
@@ -101,11 +112,11 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("--quick", action="store_true", help="use the small, quickly built demo pair")
     s.set_defaults(func=cmd_serve)
 
-    from app.bench import add_bench_arguments, bench_cli
+    from tools.bench import add_bench_arguments
 
     b = sub.add_parser("bench", help="benchmark speculative vs target-only decoding (in process, or --url)")
     add_bench_arguments(b)
-    b.set_defaults(func=bench_cli)
+    b.set_defaults(func=cmd_bench)
 
     d = sub.add_parser("demo-models", help="build (or find in the cache) the demo draft/target pair")
     d.add_argument("--quick", action="store_true", help="a small pair that builds in about a minute")

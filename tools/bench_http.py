@@ -27,13 +27,15 @@ from __future__ import annotations
 import asyncio
 import json
 import re
+import sys
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import httpx
 from tqdm.auto import tqdm
 
-from app.bench import WARMUP_TOKENS, ExactnessError, Timed, differences, latency_summary, _fmt
+from tools.figures import WARMUP_TOKENS, ExactnessError, Timed, differences, fmt, latency_summary, load_prompts
 
 DEFAULT_MODES = ("target", "spec-auto")
 DEFAULT_CONCURRENCY = (1, 4, 16)
@@ -285,15 +287,15 @@ def format_table(report: dict) -> str:
     head = (f"{'mode':<22}{'conc':>5}{'tok/s':>8}{'stream':>8}{'x':>6}{'TTFT p50/p99':>15}{'TPOT p50/p99':>15}"
             f"{'ITL p50/p99':>15}{'tau':>6}{'acc':>6}{'K':>5}{'fb':>5}{'Bmax':>5}  same")
     lines = [head, "-" * len(head)]
-    pair = lambda d: f"{_fmt(d['p50'], '.1f')}/{_fmt(d['p99'], '.1f')}"  # noqa: E731
+    pair = lambda d: f"{fmt(d['p50'], '.1f')}/{fmt(d['p99'], '.1f')}"  # noqa: E731
     for c in report["config"]["concurrency"]:
         for name, rows in report["modes"].items():
             r = rows[str(c)]
             lines.append(
                 f"{name:<22}{c:>5}{r['output_tokens_per_s']:>8.1f}{r['per_stream_tokens_per_s']:>8.1f}"
-                f"{_fmt(r['speedup']):>6}{pair(r['ttft_ms']):>15}{pair(r['tpot_ms']):>15}{pair(r['itl_ms']):>15}"
-                f"{_fmt(r['tau']):>6}{_fmt(r['acceptance_rate']):>6}{_fmt(r['mean_k'], '.1f'):>5}"
-                f"{_fmt(r['fallback_rounds'], 'd'):>5}{_fmt(r['max_target_batch_size'], 'd'):>5}"
+                f"{fmt(r['speedup']):>6}{pair(r['ttft_ms']):>15}{pair(r['tpot_ms']):>15}{pair(r['itl_ms']):>15}"
+                f"{fmt(r['tau']):>6}{fmt(r['acceptance_rate']):>6}{fmt(r['mean_k'], '.1f'):>5}"
+                f"{fmt(r['fallback_rounds'], 'd'):>5}{fmt(r['max_target_batch_size'], 'd'):>5}"
                 f"  {'yes' if r['identical'] else 'NO'}")
     cfg = report["config"]
     lines.append(f"\n{cfg['url']} ({cfg['model']}): {cfg['prompts']} prompts x {cfg['max_tokens']} tokens, greedy, "
@@ -316,7 +318,7 @@ def format_breakdown(report: dict) -> str:
             if not r.get("round_ms"):
                 continue
             lines.append(f"{name:<12}{c:>5}" + "".join(f"{r['round_ms'][k]:>9.2f}" for k, _ in BREAKDOWN)
-                         + f"{_fmt(r.get('draft_ahead_hit_rate')):>10}")
+                         + f"{fmt(r.get('draft_ahead_hit_rate')):>10}")
     lines.append("client: request time / rounds as the client saw it; round: the target replica's round; t.fwd, "
                  "t.queue: its target forward and the wait for it; d.wait: waiting for the proposal; d.fwd: the draft "
                  "forward; d.hidden: draft time hidden behind the previous verify; hops: client - round (Serve/Ray "
@@ -365,3 +367,30 @@ def parse_levels(text: str) -> list[int]:
     if not levels or min(levels) < 1:
         raise ValueError(f"--concurrency {text!r}: give comma-separated integers >= 1, e.g. 1,4,16")
     return levels
+
+
+def url_cli(args) -> int:
+    """`specserve bench --url`: the concurrency sweep against a running server; 1 on a mismatch or error."""
+    modes = [m.strip() for m in (args.modes or ",".join(DEFAULT_MODES)).split(",") if m.strip()]
+    try:
+        levels = parse_levels(args.concurrency)
+        for m in modes:
+            speculation_of(m)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    prompts, names = load_prompts(args.prompts, args.num_prompts)
+    try:
+        report = asyncio.run(run_sweep(args.url.rstrip("/"), prompts, names, modes, levels,
+                                                  args.max_tokens, not args.no_progress, args.request_timeout,
+                                                  args.peer))
+    except (ExactnessError, *FAILURES) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    print(format_table(report))
+    if args.json:
+        Path(args.json).write_text(json.dumps(report, indent=2))
+    if args.plot:
+        plot(report, args.plot)
+        print(f"plot: {args.plot}")
+    return 0

@@ -33,7 +33,6 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import numpy as np
 import torch
 from tqdm.auto import tqdm
 from transformers import DynamicCache
@@ -44,6 +43,7 @@ from app.engine import Engine
 from app.params import SamplingParams
 from app.spec import Proposal, ProposeItem, VerifyItem, propose, verify
 from app.syncs import SyncCounter
+from tools.figures import WARMUP_TOKENS, ExactnessError, Timed, differences, fmt, latency_summary, load_prompts
 
 
 @dataclass(frozen=True)
@@ -68,13 +68,6 @@ MODES = {m.name: m for m in [
     Mode("hf-assisted-k4", assistant=K_MATCHED, hf=True),
     Mode("hf-target", hf=True),
 ]}
-WARMUP_TOKENS = 32  # enough rounds to warm allocators, kernels and the cost estimator
-
-
-class ExactnessError(RuntimeError):
-    """A greedy output of ours differs from plain greedy decoding of the target."""
-
-
 @dataclass
 class Round:
     """One target forward of an engine request."""
@@ -82,30 +75,6 @@ class Round:
     drafted: int
     accepted: int
     emitted: int
-
-
-class Timed:
-    """TTFT, TPOT and ITLs of a request from `seconds`, `chunk_times` and `num_tokens` (in process or HTTP)."""
-
-    seconds: float
-    chunk_times: list[float]  # when each token-bearing chunk arrived, seconds from the request's start
-
-    @property
-    def num_tokens(self) -> int:
-        raise NotImplementedError
-
-    @property
-    def ttft(self) -> float:
-        return self.chunk_times[0]
-
-    @property
-    def tpot(self) -> float | None:
-        n = self.num_tokens
-        return (self.seconds - self.ttft) / (n - 1) if n > 1 else None
-
-    @property
-    def itls(self) -> list[float]:
-        return list(np.diff(self.chunk_times))
 
 
 @dataclass
@@ -252,12 +221,6 @@ def measure_syncs(engine: Engine, ids: list[list[int]], k: int = 4) -> dict:
 # --- summarising ---------------------------------------------------------------------------
 
 
-def _pcts(values: list[float]) -> dict:
-    if not values:
-        return {"p50": None, "p99": None}
-    return {"p50": float(np.percentile(values, 50)) * 1e3, "p99": float(np.percentile(values, 99)) * 1e3}
-
-
 def _bound(alpha: float, mean_k: float, c: float) -> float:
     """Leviathan's expected speed-up; a fractional mean K interpolates between its neighbours."""
     lo = int(mean_k)
@@ -288,15 +251,6 @@ def speculation_summary(runs: list[PromptRun], c: float) -> dict:
     }
 
 
-def latency_summary(runs: list[Timed]) -> dict:
-    """TTFT, TPOT and ITL percentiles (ms) over requests."""
-    return {
-        "ttft_ms": _pcts([r.ttft for r in runs]),
-        "tpot_ms": _pcts([r.tpot for r in runs if r.tpot is not None]),
-        "itl_ms": _pcts([x for r in runs for x in r.itls]),
-    }
-
-
 def summarize(mode: Mode, runs: list[PromptRun], costs: dict) -> dict:
     """One mode's row of the report (speed-up, efficiency and identity are filled in later)."""
     tokens = sum(r.num_tokens for r in runs)
@@ -320,17 +274,6 @@ def summarize(mode: Mode, runs: list[PromptRun], costs: dict) -> dict:
 def mismatches(runs: list[PromptRun], reference: list[PromptRun], prompt_ids: list[str]) -> list[dict]:
     """Where each output first differs from the reference's, per prompt."""
     return differences([r.tokens for r in runs], [r.tokens for r in reference], prompt_ids)
-
-
-def differences(outputs: list, reference: list, prompt_ids: list[str]) -> list[dict]:
-    """Where each output (token ids, or text) first differs from the reference's, per prompt."""
-    found = []
-    for pid, out, ref in zip(prompt_ids, outputs, reference):
-        if out != ref:
-            at = next((i for i, (a, b) in enumerate(zip(out, ref)) if a != b), min(len(out), len(ref)))
-            found.append({"prompt": pid, "position": at, "expected": ref[at:at + 4], "got": out[at:at + 4],
-                          "lengths": [len(out), len(ref)]})
-    return found
 
 
 # --- the benchmark -------------------------------------------------------------------------
@@ -399,22 +342,18 @@ def _relative(report: dict) -> None:
 # --- output --------------------------------------------------------------------------------
 
 
-def _fmt(x, spec: str = ".2f") -> str:
-    return "-" if x is None else format(x, spec)
-
-
 def format_table(report: dict) -> str:
     """The report as a fixed-width table, per-position acceptance and costs below it."""
     head = (f"{'mode':<15}{'tok/s':>8}{'x':>6}{'TTFT p50/p99':>15}{'TPOT p50/p99':>15}{'ITL p50/p99':>15}"
             f"{'tau':>6}{'acc':>6}{'alpha':>6}{'K':>5}{'c_est':>7}{'bound':>7}{'eff':>6}  same")
     lines = [head, "-" * len(head)]
     for name, r in report["modes"].items():
-        pair = lambda d: f"{_fmt(d['p50'], '.1f')}/{_fmt(d['p99'], '.1f')}"
+        pair = lambda d: f"{fmt(d['p50'], '.1f')}/{fmt(d['p99'], '.1f')}"
         lines.append(
             f"{name:<15}{r['output_tokens_per_s']:>8.1f}{r['speedup']:>6.2f}{pair(r['ttft_ms']):>15}"
-            f"{pair(r['tpot_ms']):>15}{pair(r['itl_ms']):>15}{_fmt(r['tau']):>6}{_fmt(r['acceptance_rate']):>6}"
-            f"{_fmt(r['alpha']):>6}{_fmt(r['mean_k'], '.1f'):>5}{_fmt(r['c_estimator'], '.3f'):>7}"
-            f"{_fmt(r['bound']):>7}{_fmt(r['efficiency']):>6}  {'yes' if r['identical'] else 'NO'}")
+            f"{pair(r['tpot_ms']):>15}{pair(r['itl_ms']):>15}{fmt(r['tau']):>6}{fmt(r['acceptance_rate']):>6}"
+            f"{fmt(r['alpha']):>6}{fmt(r['mean_k'], '.1f'):>5}{fmt(r['c_estimator'], '.3f'):>7}"
+            f"{fmt(r['bound']):>7}{fmt(r['efficiency']):>6}  {'yes' if r['identical'] else 'NO'}")
     lines.append("")
     for name, r in report["modes"].items():
         if r["acceptance_by_position"]:
@@ -468,31 +407,6 @@ def plot(report: dict, path: str) -> None:
 # --- the command ---------------------------------------------------------------------------
 
 
-def load_prompts(path: str | None, num: int | None) -> tuple[list[str], list[str]]:
-    """(prompts, names): a jsonl file with a "prompt" field, plain text lines, or the held-out set."""
-    if path is None:
-        from app.demo.corpus import load_heldout_prompts
-
-        items = [(p["prompt"], p.get("id", str(i))) for i, p in enumerate(load_heldout_prompts())]
-    else:
-        items = []
-        for i, line in enumerate(Path(path).read_text().splitlines()):
-            if not line.strip():
-                continue
-            try:
-                obj = json.loads(line)
-            except json.JSONDecodeError:
-                obj = None
-            if isinstance(obj, dict) and "prompt" in obj:
-                items.append((obj["prompt"], str(obj.get("id", i))))
-            else:
-                items.append((line, str(i)))
-    items = items[:num] if num else items
-    if not items:
-        raise ValueError(f"no prompts in {path or 'the held-out set'}")
-    return [p for p, _ in items], [n for _, n in items]
-
-
 def add_bench_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """The options of `specserve bench`."""
     p.add_argument("--prompts", help="jsonl with a \"prompt\" field, or plain text lines (default: held-out set)")
@@ -529,7 +443,7 @@ def add_bench_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
 def _load(args) -> Engine:
     target, draft = args.target, args.draft
     if not target or not draft:
-        from app.demo import demo_pair
+        from demo import demo_pair
 
         demo_target, demo_draft = demo_pair(quick=args.quick)
         target, draft = target or demo_target, draft or demo_draft
@@ -539,8 +453,6 @@ def _load(args) -> Engine:
 
 def bench_cli(args) -> int:
     """`specserve bench`: run the modes, print the table, write --json and --plot; 1 on a mismatch."""
-    if args.url:
-        return bench_url_cli(args)
     modes = [m.strip() for m in (args.modes or ",".join(MODES)).split(",") if m.strip()]
     unknown = [m for m in modes if m not in MODES]
     if unknown:
@@ -567,34 +479,5 @@ def bench_cli(args) -> int:
         Path(args.json).write_text(json.dumps(report, indent=2))
     if args.plot:
         plot(report, args.plot)
-        print(f"plot: {args.plot}")
-    return 0
-
-
-def bench_url_cli(args) -> int:
-    """`specserve bench --url`: the concurrency sweep against a running server; 1 on a mismatch or error."""
-    from app import bench_http
-
-    modes = [m.strip() for m in (args.modes or ",".join(bench_http.DEFAULT_MODES)).split(",") if m.strip()]
-    try:
-        levels = bench_http.parse_levels(args.concurrency)
-        for m in modes:
-            bench_http.speculation_of(m)
-    except ValueError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    prompts, names = load_prompts(args.prompts, args.num_prompts)
-    try:
-        report = asyncio.run(bench_http.run_sweep(args.url.rstrip("/"), prompts, names, modes, levels,
-                                                  args.max_tokens, not args.no_progress, args.request_timeout,
-                                                  args.peer))
-    except (ExactnessError, *bench_http.FAILURES) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 1
-    print(bench_http.format_table(report))
-    if args.json:
-        Path(args.json).write_text(json.dumps(report, indent=2))
-    if args.plot:
-        bench_http.plot(report, args.plot)
         print(f"plot: {args.plot}")
     return 0

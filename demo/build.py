@@ -15,8 +15,8 @@ from pathlib import Path
 import torch
 
 from app import dtypes
-from app.demo import corpus, train
-from app.demo.progress import BuildProgress, Costs
+from demo import corpus, train
+from demo.progress import BuildProgress, Costs
 
 BUILD_FORMAT = 4  # bump when a change to the build makes old cached pairs wrong
 MARKER = "build.json"  # written last: its presence means the pair is complete
@@ -147,7 +147,7 @@ def build_pair(out: Path, quick: bool = False, seed: int = 0, progress: bool = T
 
 def build_cli(args) -> int:
     """`specserve demo-models`: build (if needed) the pair, then print where it is and how it does."""
-    from app.demo.measure import measure_pair
+    from demo.measure import measure_pair
 
     target_dir, draft_dir = demo_pair(quick=args.quick, rebuild=args.rebuild, seed=args.seed,
                                       cache_dir=args.cache_dir)

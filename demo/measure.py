@@ -14,7 +14,7 @@ import time
 import torch
 from transformers import PreTrainedModel
 
-from app.demo.corpus import load_heldout_prompts
+from demo.corpus import load_heldout_prompts
 from app.runner import load_model
 
 
@@ -74,8 +74,8 @@ def step_ms(model: PreTrainedModel, context: int = 128, steps: int = 40) -> floa
 @torch.no_grad()
 def heldout_loss(model_dir: str, windows: int = 32, length: int = 256) -> float:
     """Cross-entropy (nats per token) of a saved model on random windows of the held-out modules."""
-    from app.demo.corpus import heldout_files, read_source
-    from app.demo.train import encode_corpus, sample_batch
+    from demo.corpus import heldout_files, read_source
+    from demo.train import encode_corpus, sample_batch
 
     model, tok = load_model(model_dir, dtype="float32")
     stream = encode_corpus(tok, [read_source(p) for p in heldout_files()])

@@ -20,7 +20,7 @@ HELDOUT_MODULES = (
 # Tests, vendored packages and generated codec tables are not the code we want to imitate.
 _SKIPPED_DIRS = {"test", "tests", "idle_test", "site-packages", "encodings", "__pycache__"}
 
-PROMPTS_PATH = Path(__file__).resolve().parent.parent / "prompts" / "heldout.jsonl"
+PROMPTS_PATH = Path(__file__).resolve().parent / "prompts" / "heldout.jsonl"
 
 
 def stdlib_dir() -> Path:
