@@ -28,13 +28,14 @@ STARTUP_TIMEOUT = "timed out during startup"
 # the second user-code thread was fighting the forward thread for the GIL on every chunk.
 # The proxy callback installs HTTP failover in Serve's proxy: a request whose ingress replica dies
 # is sent again and a stream continues where it was cut (deployments/failover.py).
-# A stopping direct-ingress replica keeps serving for a floor of 30 s by default, so that an external
-# load balancer (a cloud ALB) can take it out of rotation first. Here the only one in front is Serve's
-# own proxy, told at once: 2 s. Every shutdown of a local cluster and every ingress scale-down waited
-# the 30 s before (about 5 minutes of the test suite); the k8s manifests keep the default.
 SERVE_ENV = {"RAY_SERVE_THROUGHPUT_OPTIMIZED": "1",
-             "RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH": "deployments.failover.proxy_middlewares",
-             "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S": "2"}
+             "RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH": "deployments.failover.proxy_middlewares"}
+# The local cluster only: a stopping direct-ingress replica keeps serving for a floor of 30 s by
+# default, so that an external load balancer (a cloud ALB) can take it out of rotation first. Here the
+# only one in front is Serve's own proxy, told at once: 2 s. Every shutdown of a local cluster and
+# every ingress scale-down waited the 30 s before (about 5 minutes of the test suite); the k8s
+# manifests keep the default.
+LOCAL_ENV = {**SERVE_ENV, "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S": "2"}
 
 
 class LocalCluster:
@@ -86,7 +87,7 @@ class LocalCluster:
                 self._stop_nodes()
 
     def _start_nodes(self, cluster_cls, head: dict, common: dict) -> None:
-        with _environment(SERVE_ENV):  # the nodes' processes inherit it; this one (a driver) does not
+        with _environment(LOCAL_ENV):  # the nodes' processes inherit it; this one (a driver) does not
             self.cluster = cluster_cls(initialize_head=True, connect=False, head_node_args=head)
             for _ in range(self.draft_nodes):
                 self.cluster.add_node(num_cpus=self.cpus, resources={DRAFT_POOL: self.slots},

@@ -31,7 +31,7 @@ class FlakyCluster:
 @pytest.fixture
 def flaky(monkeypatch):
     FlakyCluster.made, FlakyCluster.failures = [], 1
-    monkeypatch.setattr(local, "SERVE_ENV", {})
+    monkeypatch.setattr(local, "LOCAL_ENV", {})
     return FlakyCluster
 
 
