@@ -1,1 +1,1 @@
-"""Ray Serve deployments over the engine: DraftServer, TargetServer, Ingress (with its Router) and build_app."""
+"""Ray Serve deployments over the engine: DraftServer, TargetServer, Ingress (with its Dispatcher) and build_app."""

@@ -16,7 +16,7 @@ from app.batching import MicroBatcher
 from app.driver import DraftUnavailable
 from app.spec import Proposal, ProposeItem
 from deployments.affinity import Calls, Homes, members
-from deployments.router import own_serve_request
+from deployments.dispatch import own_serve_request
 
 log = logging.getLogger("ray.serve")
 

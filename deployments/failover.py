@@ -1,6 +1,6 @@
 """HTTP failover: an ASGI middleware in Serve's HTTP proxy that resumes requests whose ingress died.
 
-A request's router state lives in its ingress replica (deployments/router.py): an ingress replica
+A request's dispatch state lives in its ingress replica (deployments/dispatch.py): an ingress replica
 that dies takes it along. The Serve proxy holding the client's connection does not die with it, so
 Serve installs this middleware there (RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH, see
 `proxy_middlewares`). It keeps the request's body and, for a stream, the state the ingress reports

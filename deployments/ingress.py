@@ -1,8 +1,7 @@
-"""OpenAI-compatible HTTP ingress: auth, validation, chat template, tokenization, SSE streaming.
+"""OpenAI-compatible HTTP ingress: auth, parsing, chat template, tokenization, responses.
 
-Errors always take OpenAI's body ({"error": {message, type, param, code}}) with the right status:
-400 invalid parameters (never FastAPI's 422), 401 bad key, 404 unknown model, 408 timeout,
-413 body too large, 503 overloaded or no target.
+The FastAPI app and its errors are in deployments/http_api.py, reading the generation streams and
+the server-sent events in deployments/streams.py, placement and failover in deployments/dispatch.py.
 """
 
 import asyncio
@@ -15,15 +14,11 @@ import secrets
 import uuid
 
 import prometheus_client
-from fastapi import FastAPI, Request
-from fastapi.exceptions import RequestValidationError
-from fastapi.openapi.utils import get_openapi
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi import Request
+from fastapi.responses import Response, StreamingResponse
 from opentelemetry.trace import SpanKind
 from pydantic import ValidationError
 from ray import serve
-from ray.serve.exceptions import BackPressureError
-from starlette.exceptions import HTTPException as StarletteHTTPException
 from transformers import AutoTokenizer
 
 from app import telemetry
@@ -31,13 +26,14 @@ from app.errors import InvalidRequestError
 from app.grammar import Grammars, grammar_of
 from app.openai_protocol import (MAX_CHOICES, ChatCompletionRequest, ChoiceView, CompletionRequest,
                                  chat_prompt_ids, choice_body, choice_seed, combined_speculation, completion_body,
-                                 default_max_tokens, error_body, join_logprobs, load_json, new_id, normalise_body,
-                                 sse_event, usage_body)
+                                 default_max_tokens, join_logprobs, load_json, new_id, normalise_body, usage_body)
 from app.params import SamplingParams, SpeculationParams, check_vocabulary
 from deployments.config import AppConfig
-from deployments.failover import GUARD_HEADER, RESUME_HEADER, ChoiceResume, marker, read_resume
+from deployments.dispatch import Dispatcher
+from deployments.failover import GUARD_HEADER, RESUME_HEADER, ChoiceResume, read_resume
+from deployments.http_api import APIError, api, invalid, narrow_schema
 from deployments.metrics import VLLMSpecDecodeCounters
-from deployments.router import Router
+from deployments.streams import all_or_stop, next_chunk, sse_events, stop_streams
 
 log = logging.getLogger("ray.serve")
 # used when a tokenizer ships no chat template (the demo pair): plain "role: content" turns
@@ -46,130 +42,13 @@ DEFAULT_CHAT_TEMPLATE = (
     "{% if add_generation_prompt %}assistant: {% endif %}"
 )
 
-api = FastAPI(title="specserve", description="Exact speculative decoding, OpenAI-compatible.")
-BODIES = {"/v1/completions": CompletionRequest, "/v1/chat/completions": ChatCompletionRequest}
-
-
-def _openapi() -> dict:
-    """FastAPI's OpenAPI document with the request bodies the endpoints read. They parse bodies
-    themselves (nulls, allowlisted fields, 400 rather than FastAPI's 422), so FastAPI cannot see them;
-    clients, docs and schema fuzzers need them."""
-    if api.openapi_schema is None:
-        schema = get_openapi(title=api.title, version=api.version, description=api.description, routes=api.routes)
-        components = schema.setdefault("components", {}).setdefault("schemas", {})
-        error = {"description": "OpenAI's error body", "content": {"application/json": {"schema": ERROR_SCHEMA}}}
-        for path, model in BODIES.items():
-            body = model.model_json_schema(ref_template="#/components/schemas/{model}")
-            components.update(body.pop("$defs", {}))
-            components[model.__name__] = body
-            operation = schema["paths"][path]["post"]
-            operation["requestBody"] = {"required": True, "content": {
-                "application/json": {"schema": {"$ref": f"#/components/schemas/{model.__name__}"}}}}
-            operation["responses"].update({str(code): error for code in (400, 401, 404, 408, 413, 503)})
-        api.openapi_schema = schema
-    return api.openapi_schema
-
-
-api.openapi = _openapi
-
-
-def _narrow_schema(model_name: str, max_tokens_cap: int) -> None:
-    """This deployment's limits in the published schema: the one model it serves, its max_tokens cap."""
-    components = _openapi()["components"]["schemas"]
-    for model in BODIES.values():
-        fields = components[model.__name__]["properties"]
-        fields["model"] = {**fields["model"], "enum": [model_name]}
-        for name in ("max_tokens", "max_completion_tokens"):
-            if name in fields:
-                fields[name] = {**fields[name], "anyOf": [{"type": "integer", "minimum": 1, "maximum": max_tokens_cap},
-                                                          {"type": "null"}]}
-ERROR_SCHEMA = {"type": "object", "required": ["error"], "properties": {"error": {
-    "type": "object", "required": ["message", "type", "param", "code"],
-    "properties": {"message": {"type": "string"}, "type": {"type": "string"}, "param": {"type": ["string", "null"]},
-                   "code": {"type": ["string", "integer", "null"]}}}}}
-
-
-class APIError(Exception):
-    """An error answered with OpenAI's body."""
-
-    def __init__(self, status: int, message: str, type_: str, param: str | None = None, code=None, headers=None):
-        super().__init__(message)
-        self.status, self.message, self.type, self.param, self.code = status, message, type_, param, code
-        self.headers = headers or {}
-
-    @classmethod
-    def from_router(cls, err: dict) -> "APIError":
-        """An error chunk of the generation stream as an APIError."""
-        return cls(int(err.get("code") or 503), err["message"], err["type"], err.get("param"), err.get("code"))
-
-    def response(self) -> JSONResponse:
-        return JSONResponse(error_body(self.message, self.type, self.param, self.code), self.status, self.headers)
-
-
-@api.exception_handler(APIError)
-async def _api_error(_, exc: APIError):
-    return exc.response()
-
-
-@api.exception_handler(RequestValidationError)
-async def _validation_error(_, exc: RequestValidationError):
-    return invalid(exc.errors()).response()
-
-
-@api.exception_handler(StarletteHTTPException)
-async def _http_error(_, exc: StarletteHTTPException):
-    kinds = {404: "not_found_error", 405: "invalid_request_error"}
-    return JSONResponse(error_body(str(exc.detail), kinds.get(exc.status_code, "invalid_request_error")),
-                        exc.status_code)
-
-
-@api.exception_handler(Exception)
-async def _internal(request: Request, exc: Exception):
-    log.error("%s %s failed", request.method, request.url.path, exc_info=exc)
-    return JSONResponse(error_body(f"internal error: {type(exc).__name__}", "internal_error", code=500), 500)
-
-
-def invalid(errors: list[dict]) -> APIError:
-    """pydantic errors as a 400 naming the first bad parameter."""
-    err = errors[0]
-    param = ".".join(str(p) for p in err.get("loc", ()) if p != "body" and not isinstance(p, int)) or None
-    return APIError(400, f"invalid {param or 'request'}: {err.get('msg')}", "invalid_request_error", param)
-
-
-async def _close(stream) -> None:
-    """Stop a generation stream (its router cancels the target replica's call)."""
-    try:
-        await stream.aclose()
-    except RuntimeError:  # being closed already (a cancelled __anext__)
-        pass
-
-
-async def _stop(tasks: list[asyncio.Future], streams: list) -> None:
-    """Cancel the tasks reading the streams, wait for them, then close the streams (a stream being
-    read cannot be closed)."""
-    for t in tasks:
-        t.cancel()
-    await asyncio.gather(*tasks, return_exceptions=True)
-    await asyncio.gather(*(_close(s) for s in streams))
-
-
-async def _all_or_stop(coros: list, streams: list) -> list:
-    """Await every coroutine reading the streams; if one fails, stop the rest and close every stream."""
-    tasks = [asyncio.ensure_future(c) for c in coros]
-    try:
-        return await asyncio.gather(*tasks)
-    except BaseException:
-        await _stop(tasks, streams)
-        raise
-
-
 @serve.ingress(api)
 class Ingress:
     """FastAPI ingress: validates, tokenizes, and streams each request from a TargetServer replica
-    through its Router (placement and failover, deployments/router.py)."""
+    through its Dispatcher (placement and failover, deployments/dispatch.py)."""
 
     def __init__(self, target, cfg: AppConfig, tokenizer_path: str, model_name: str, max_context: int):
-        self.router = Router(target, cfg)
+        self.dispatch = Dispatcher(target, cfg)
         self.cfg, self.model_name, self.max_context = cfg, model_name, max_context
         self.tokenizer = AutoTokenizer.from_pretrained(tokenizer_path)
         if not getattr(self.tokenizer, "chat_template", None):
@@ -183,7 +62,7 @@ class Ingress:
         self.default_spec = SpeculationParams(num_tokens=default)
         self.spec_counters = VLLMSpecDecodeCounters(model_name)
         self.grammars = Grammars(self.tokenizer, len(self.tokenizer))  # checks response_format before any work
-        _narrow_schema(model_name, cfg.limits.max_tokens_cap)
+        narrow_schema(model_name, cfg.limits.max_tokens_cap)
         telemetry.configure_tracing("ingress")
 
     # -- endpoints ---------------------------------------------------------------------------
@@ -321,30 +200,32 @@ class Ingress:
             views[i].resume(starts[i].chars)
         # a prompt's n choices go to one target replica, which prefills their prompt once (app/engine.py)
         groups = [f"{rid}/{i // body.n}" if body.n > 1 else None for i in range(len(jobs))]
-        streams = [self.router.generate(uuid.uuid4().hex, *jobs[i], telemetry.carrier(span), starts[i], groups[i])
+        streams = [self.dispatch.generate(uuid.uuid4().hex, *jobs[i], telemetry.carrier(span), starts[i], groups[i])
                    for i in live]
         deadline = asyncio.get_running_loop().time() + self.cfg.limits.request_timeout_s
         prompt_tokens = sum(len(ids) for ids in prompts)  # each prompt counted once, whatever n
         # errors before any token get a proper status
-        firsts = await _all_or_stop([self._next(s, deadline) for s in streams], streams)
+        firsts = await all_or_stop([self._next(s, deadline) for s in streams], streams)
         for first in firsts:
             if first.get("error"):
-                await _stop([], streams)
-                raise APIError.from_router(first["error"])
+                await stop_streams([], streams)
+                raise APIError.from_chunk(first["error"])
         if body.stream:
             options = body.stream_options
             include_usage = bool(options and options.include_usage)
             # as vLLM: usage on every chunk when both are asked for
             continuous = include_usage and options.continuous_usage_stats
             report = request.headers.get(GUARD_HEADER.decode()) == "1"  # the proxy's failover keeps the state
-            return StreamingResponse(self._sse(rid, live, firsts, streams, views, deadline, chat, include_usage,
-                                               prompt_tokens, continuous, span, starts if report else None),
+            return StreamingResponse(sse_events(rid, self.model_name, live, firsts, streams, views, deadline,
+                                                self.cfg.limits.request_timeout_s, chat, include_usage, prompt_tokens,
+                                                continuous, self.spec_counters.count, span,
+                                                starts if report else None),
                                      media_type="text/event-stream")
         try:
-            done = await _all_or_stop([self._rest(s, f, v, deadline) for s, f, v in zip(streams, firsts, views)],
+            done = await all_or_stop([self._rest(s, f, v, deadline) for s, f, v in zip(streams, firsts, views)],
                                       streams)
         finally:
-            await _stop([], streams)
+            await stop_streams([], streams)
         usage = usage_body(prompt_tokens, sum(last["usage"]["completion_tokens"] for _, last, _ in done))
         choices = [choice_body(i, text, last["finish_reason"], chat, False, logprobs)
                    for i, (text, last, logprobs) in enumerate(done)]
@@ -419,104 +300,9 @@ class Ingress:
                 break
             last = await self._next(stream, deadline)
             if last.get("error"):
-                raise APIError.from_router(last["error"])
+                raise APIError.from_chunk(last["error"])
         self.spec_counters.count(last["speculation"])
         return "".join(texts), last, join_logprobs(logprobs)
 
     async def _next(self, stream, deadline: float) -> dict:
-        """The generation's next chunk, within the request's deadline (past it the generation is stopped)."""
-        timeout = deadline - asyncio.get_running_loop().time()
-        try:
-            return await asyncio.wait_for(stream.__anext__(), max(timeout, 0.001))
-        except asyncio.TimeoutError:
-            await _close(stream)
-            raise APIError(408, f"request exceeded {self.cfg.limits.request_timeout_s}s", "timeout_error",
-                           code="timeout") from None
-        except BackPressureError:
-            raise APIError(503, "server overloaded: retry later", "service_unavailable",
-                           code="overloaded", headers={"Retry-After": "1"}) from None
-        except StopAsyncIteration:
-            raise APIError(503, "generation ended without a result", "service_unavailable") from None
-        except InvalidRequestError as e:  # the target refused the job (Ray re-raises it as a subclass)
-            raise APIError(400, str(e), "invalid_request_error", e.param) from None
-        except (APIError, asyncio.CancelledError):
-            raise
-        except Exception as e:  # the server's fault: said in OpenAI's body, logged with what it was
-            log.exception("generation failed")
-            raise APIError(500, f"internal error: {type(e).__name__}", "internal_error", code=500) from None
-
-    async def _sse(self, rid: str, live: list[int], firsts: list[dict], streams: list, views: list[ChoiceView],
-                   deadline: float, chat: bool, include_usage: bool, prompt_tokens: int, continuous: bool, span=None,
-                   starts: list[ChoiceResume] | None = None):
-        """The generations as one stream of server-sent events, each chunk naming its choice's index;
-        with `continuous`, every chunk carries the usage so far. `live`: the choices generated here
-        (a resumed stream's finished ones are not), in the order of `streams`. With `starts`, each
-        event goes with a report of the state it leaves its choice in (deployments/failover.py)."""
-        queue: asyncio.Queue = asyncio.Queue()
-        loop = asyncio.get_running_loop()
-
-        async def pump(index: int, stream, chunk: dict) -> None:
-            while True:
-                await queue.put((index, chunk))
-                if chunk.get("error") or "finish_reason" in chunk:
-                    return
-                try:
-                    chunk = await self._next(stream, deadline)
-                except APIError as e:
-                    chunk = error_body(e.message, e.type, e.param, e.code)
-                except Exception as e:  # whatever it is, the stream hears of it and ends
-                    log.exception("stream %s: choice %d failed", rid, index)
-                    chunk = error_body(f"internal error: {type(e).__name__}", "internal_error", code=500)
-
-        pumps = [asyncio.ensure_future(pump(i, s, f)) for i, s, f in zip(live, streams, firsts)]
-        everyone = starts or [ChoiceResume(seed=0) for _ in views]
-        completion = [len(c.ids) for c in everyone]
-        finals = {i: {"usage": {"completion_tokens": len(c.ids)}, "speculation": None}
-                  for i, c in enumerate(everyone) if i not in live}
-        if starts is not None:
-            yield marker({"rid": rid, "seeds": [c.seed for c in starts]})
-        try:
-            while len(finals) < len(views):
-                try:  # the pumps answer within the deadline; this bounds the wait if one cannot
-                    index, chunk = await asyncio.wait_for(queue.get(), max(deadline - loop.time(), 0) + 5.0)
-                except asyncio.TimeoutError:
-                    yield sse_event(error_body(f"request exceeded {self.cfg.limits.request_timeout_s}s",
-                                               "timeout_error", code="timeout"))
-                    break
-                if chunk.get("error"):
-                    yield sse_event({"error": chunk["error"]})
-                    break
-                finish = chunk.get("finish_reason")
-                completion[index] += len(chunk.get("token_ids", ()))
-                text, logprobs = views[index].render(chunk)
-                event = ""
-                if text or finish or (logprobs and any(logprobs.values())):
-                    spec = chunk.get("speculation") if finish and not include_usage else None
-                    usage = usage_body(prompt_tokens, sum(completion)) if continuous else None
-                    event = sse_event(completion_body(rid, self.model_name, text, finish, usage, spec,
-                                                      chat, delta=True, index=index, logprobs=logprobs))
-                if starts is not None:  # one message: the client's event and its state arrive together or not at all
-                    event += marker({"i": index, "ids": chunk.get("token_ids", []), "chars": len(chunk.get("text", "")),
-                                     "ctl": chunk.get("controller"), "done": bool(finish)})
-                if event:
-                    yield event
-                if finish:
-                    finals[index] = chunk
-                    self.spec_counters.count(chunk["speculation"])
-            else:
-                if include_usage:
-                    # a resumed stream lacks the figures of choices finished before: those of the rest
-                    specs = [finals[i]["speculation"] for i in sorted(finals) if finals[i]["speculation"] is not None]
-                    usage_chunk = completion_body(
-                        rid, self.model_name, [], None,
-                        usage_body(prompt_tokens, sum(f["usage"]["completion_tokens"] for f in finals.values())),
-                        combined_speculation(specs) if specs else None, chat, delta=True)
-                    yield sse_event(usage_chunk)
-        except Exception as e:  # a bug here must not leave the client waiting: an error event, then [DONE]
-            log.exception("stream %s failed", rid)
-            yield sse_event(error_body(f"internal error: {type(e).__name__}", "internal_error", code=500))
-        finally:
-            await _stop(pumps, streams)  # a client that went away stops the generations and frees their caches
-            if span is not None:
-                span.end()
-        yield "data: [DONE]\n\n"
+        return await next_chunk(stream, deadline, self.cfg.limits.request_timeout_s)

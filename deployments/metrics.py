@@ -88,12 +88,12 @@ class RequestMetrics:
             m.fallback_rounds.inc(1, {"reason": f.fallback})
 
 
-class RouterMetrics:
-    """Requests in flight, failovers and per-request latencies of one Ingress replica (its Router)."""
+class DispatchMetrics:
+    """Requests in flight, failovers and per-request latencies of one Ingress replica (its Dispatcher)."""
 
     def __init__(self):
         self.target_retries = Counter(_name("target_retries"), "Requests resumed on another target replica.")
-        self.ttft = Histogram(_name("ttft_seconds"), "Time to the first token, from the router's start of the request.",
+        self.ttft = Histogram(_name("ttft_seconds"), "Time to the first token, from the dispatcher's start of the request.",
                               boundaries=TTFT_S)
         self.tpot = Histogram(_name("tpot_seconds"), "Mean time per output token after the first, per request.",
                               boundaries=LATENCY_S)

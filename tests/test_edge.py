@@ -176,20 +176,17 @@ class Stream:
 
 
 def sse_of(streams, firsts) -> list[str]:
-    """The SSE events the ingress writes for these streams (its `_sse`, as a plain function)."""
+    """The SSE events the ingress writes for these streams (deployments/streams.py)."""
     from app.openai_protocol import ChoiceView
-    from deployments.config import AppConfig
-    from deployments.ingress import Ingress
+    from deployments.streams import sse_events
 
-    me = SimpleNamespace(cfg=AppConfig(), model_name="m", spec_counters=SimpleNamespace(count=lambda s: None))
-    me._next = lambda stream, deadline: Ingress._next(me, stream, deadline)
     tokenizer = SimpleNamespace(decode=lambda ids, **_: "")
     views = [ChoiceView(tokenizer, chat=False, logprobs=False) for _ in streams]
 
     async def go():
         deadline = asyncio.get_running_loop().time() + 60
-        gen = Ingress._sse(me, "cmpl-1", list(range(len(streams))), firsts, streams, views, deadline, False, False,
-                           1, False)
+        gen = sse_events("cmpl-1", "m", list(range(len(streams))), firsts, streams, views, deadline, 60.0, False,
+                         False, 1, False, lambda spec: None)
         return [event async for event in gen]
     return asyncio.run(asyncio.wait_for(go(), 30))
 

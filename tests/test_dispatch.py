@@ -1,4 +1,4 @@
-"""The Router without a cluster: it relays a target replica's stream and resumes the request on
+"""The Dispatcher without a cluster: it relays a target replica's stream and resumes the request on
 another replica, from the streamed tokens, when that replica dies (fake handles over real engines)."""
 
 import asyncio
@@ -11,7 +11,7 @@ from app.params import SamplingParams
 from app.runner import ModelRunner
 from conftest import blend
 from deployments.config import AppConfig
-from deployments.router import Router
+from deployments.dispatch import Dispatcher
 
 PROMPT_IDS = list(range(20, 40))
 N = 24
@@ -77,7 +77,7 @@ def params(**kw) -> dict:
     return SamplingParams(max_tokens=N, ignore_eos=True, **{"temperature": 0, **kw}).model_dump()
 
 
-def run(router: Router, p: dict) -> tuple[list[int], str, dict]:
+def run(router: Dispatcher, p: dict) -> tuple[list[int], str, dict]:
     async def collect():
         tokens, text, last = [], "", None
         async for chunk in router.generate("r1", PROMPT_IDS, p):
@@ -92,8 +92,8 @@ async def _no_sleep(_):
     return None
 
 
-def make_router(pool: TargetPool, retries: int = 3) -> Router:
-    return Router(pool, AppConfig.model_validate({"limits": {"target_retries": retries}}), sleep=_no_sleep)
+def make_router(pool: TargetPool, retries: int = 3) -> Dispatcher:
+    return Dispatcher(pool, AppConfig.model_validate({"limits": {"target_retries": retries}}), sleep=_no_sleep)
 
 
 @pytest.mark.parametrize("sampling", [{}, {"temperature": 0.9, "seed": 11}], ids=["greedy", "seeded"])

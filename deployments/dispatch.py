@@ -1,14 +1,14 @@
-"""Router: the control plane of a request, in the ingress. Placement, admission, failover.
+"""Dispatcher: the control plane of a request, in the ingress. Placement, admission, failover.
 
 The rounds run on the TargetServer replica the request is placed on (Serve's load-aware choice
 among the replicas; a full replica refuses, and the request gets a 503). The ingress reads that
-replica's stream directly, and the router keeps the request's job up to date from it: the tokens
+replica's stream directly, and the dispatcher keeps the request's job up to date from it: the tokens
 and text streamed, and the K controller's state. If the replica dies, the same job goes to another
 replica, which continues from the streamed tokens: greedy and seeded output is unchanged and
 nothing streamed repeats or goes missing.
 
 It is a plain class the ingress holds, not a deployment of its own: relaying every chunk through a
-Router deployment cost a quarter of a core at 16 streams on a 2-core machine (measured), and the
+deployment of its own cost a quarter of a core at 16 streams on a 2-core machine (measured), and the
 durable state of a request is what was streamed, which the ingress has.
 """
 
@@ -29,7 +29,7 @@ from app.params import SamplingParams
 from app.request import GenerationJob
 from deployments.config import AppConfig
 from deployments.failover import ChoiceResume
-from deployments.metrics import RouterMetrics
+from deployments.metrics import DispatchMetrics
 from deployments.tp import RankFailure
 
 log = logging.getLogger("ray.serve")
@@ -59,7 +59,7 @@ def own_serve_request():
         context._serve_request_context.reset(token)
 
 
-class Router:
+class Dispatcher:
     """One streaming call per request to a target replica; a new one after that replica fails.
 
     A target pool at its queue limit raises Serve's BackPressureError: the caller answers 503.
@@ -69,7 +69,7 @@ class Router:
         self.target, self.cfg = target, cfg
         self.sleep = sleep  # injected by tests: the retry backoff
         self.active = 0
-        self.metrics = RouterMetrics()
+        self.metrics = DispatchMetrics()
 
     async def generate(self, request_id: str, prompt_ids: list[int], params: dict, trace: dict | None = None,
                        start: ChoiceResume | None = None, group: str | None = None) -> AsyncIterator[dict]:

@@ -1,0 +1,145 @@
+"""Reading a request's generation streams in the ingress: the next chunk within the deadline (its
+failures as OpenAI errors), stopping every stream of a request together, and the server-sent events
+of a streamed response."""
+
+import asyncio
+import logging
+from collections.abc import Callable
+
+from ray.serve.exceptions import BackPressureError
+
+from app.errors import InvalidRequestError
+from app.openai_protocol import ChoiceView, combined_speculation, completion_body, error_body, sse_event, usage_body
+from deployments.failover import ChoiceResume, marker
+from deployments.http_api import APIError
+
+log = logging.getLogger("ray.serve")
+
+
+async def close_stream(stream) -> None:
+    """Stop a generation stream (its dispatcher cancels the target replica's call)."""
+    try:
+        await stream.aclose()
+    except RuntimeError:  # being closed already (a cancelled __anext__)
+        pass
+
+
+async def stop_streams(tasks: list[asyncio.Future], streams: list) -> None:
+    """Cancel the tasks reading the streams, wait for them, then close the streams (a stream being
+    read cannot be closed)."""
+    for t in tasks:
+        t.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
+    await asyncio.gather(*(close_stream(s) for s in streams))
+
+
+async def all_or_stop(coros: list, streams: list) -> list:
+    """Await every coroutine reading the streams; if one fails, stop the rest and close every stream."""
+    tasks = [asyncio.ensure_future(c) for c in coros]
+    try:
+        return await asyncio.gather(*tasks)
+    except BaseException:
+        await stop_streams(tasks, streams)
+        raise
+
+
+async def next_chunk(stream, deadline: float, timeout_s: float) -> dict:
+    """The generation's next chunk, within the request's deadline (past it the generation is stopped)."""
+    timeout = deadline - asyncio.get_running_loop().time()
+    try:
+        return await asyncio.wait_for(stream.__anext__(), max(timeout, 0.001))
+    except asyncio.TimeoutError:
+        await close_stream(stream)
+        raise APIError(408, f"request exceeded {timeout_s}s", "timeout_error",
+                       code="timeout") from None
+    except BackPressureError:
+        raise APIError(503, "server overloaded: retry later", "service_unavailable",
+                       code="overloaded", headers={"Retry-After": "1"}) from None
+    except StopAsyncIteration:
+        raise APIError(503, "generation ended without a result", "service_unavailable") from None
+    except InvalidRequestError as e:  # the target refused the job (Ray re-raises it as a subclass)
+        raise APIError(400, str(e), "invalid_request_error", e.param) from None
+    except (APIError, asyncio.CancelledError):
+        raise
+    except Exception as e:  # the server's fault: said in OpenAI's body, logged with what it was
+        log.exception("generation failed")
+        raise APIError(500, f"internal error: {type(e).__name__}", "internal_error", code=500) from None
+
+
+async def sse_events(rid: str, model_name: str, live: list[int], firsts: list[dict], streams: list,
+                     views: list[ChoiceView], deadline: float, timeout_s: float, chat: bool, include_usage: bool,
+                     prompt_tokens: int, continuous: bool, count: Callable[[dict], None], span=None,
+                     starts: list[ChoiceResume] | None = None):
+    """The generations as one stream of server-sent events, each chunk naming its choice's index;
+    with `continuous`, every chunk carries the usage so far. `live`: the choices generated here
+    (a resumed stream's finished ones are not), in the order of `streams`. With `starts`, each
+    event goes with a report of the state it leaves its choice in (deployments/failover.py).
+    `count` takes each finished choice's speculation figures (the /metrics counters)."""
+    queue: asyncio.Queue = asyncio.Queue()
+    loop = asyncio.get_running_loop()
+
+    async def pump(index: int, stream, chunk: dict) -> None:
+        while True:
+            await queue.put((index, chunk))
+            if chunk.get("error") or "finish_reason" in chunk:
+                return
+            try:
+                chunk = await next_chunk(stream, deadline, timeout_s)
+            except APIError as e:
+                chunk = error_body(e.message, e.type, e.param, e.code)
+            except Exception as e:  # whatever it is, the stream hears of it and ends
+                log.exception("stream %s: choice %d failed", rid, index)
+                chunk = error_body(f"internal error: {type(e).__name__}", "internal_error", code=500)
+
+    pumps = [asyncio.ensure_future(pump(i, s, f)) for i, s, f in zip(live, streams, firsts)]
+    everyone = starts or [ChoiceResume(seed=0) for _ in views]
+    completion = [len(c.ids) for c in everyone]
+    finals = {i: {"usage": {"completion_tokens": len(c.ids)}, "speculation": None}
+              for i, c in enumerate(everyone) if i not in live}
+    if starts is not None:
+        yield marker({"rid": rid, "seeds": [c.seed for c in starts]})
+    try:
+        while len(finals) < len(views):
+            try:  # the pumps answer within the deadline; this bounds the wait if one cannot
+                index, chunk = await asyncio.wait_for(queue.get(), max(deadline - loop.time(), 0) + 5.0)
+            except asyncio.TimeoutError:
+                yield sse_event(error_body(f"request exceeded {timeout_s}s",
+                                           "timeout_error", code="timeout"))
+                break
+            if chunk.get("error"):
+                yield sse_event({"error": chunk["error"]})
+                break
+            finish = chunk.get("finish_reason")
+            completion[index] += len(chunk.get("token_ids", ()))
+            text, logprobs = views[index].render(chunk)
+            event = ""
+            if text or finish or (logprobs and any(logprobs.values())):
+                spec = chunk.get("speculation") if finish and not include_usage else None
+                usage = usage_body(prompt_tokens, sum(completion)) if continuous else None
+                event = sse_event(completion_body(rid, model_name, text, finish, usage, spec,
+                                                  chat, delta=True, index=index, logprobs=logprobs))
+            if starts is not None:  # one message: the client's event and its state arrive together or not at all
+                event += marker({"i": index, "ids": chunk.get("token_ids", []), "chars": len(chunk.get("text", "")),
+                                 "ctl": chunk.get("controller"), "done": bool(finish)})
+            if event:
+                yield event
+            if finish:
+                finals[index] = chunk
+                count(chunk["speculation"])
+        else:
+            if include_usage:
+                # a resumed stream lacks the figures of choices finished before: those of the rest
+                specs = [finals[i]["speculation"] for i in sorted(finals) if finals[i]["speculation"] is not None]
+                usage_chunk = completion_body(
+                    rid, model_name, [], None,
+                    usage_body(prompt_tokens, sum(f["usage"]["completion_tokens"] for f in finals.values())),
+                    combined_speculation(specs) if specs else None, chat, delta=True)
+                yield sse_event(usage_chunk)
+    except Exception as e:  # a bug here must not leave the client waiting: an error event, then [DONE]
+        log.exception("stream %s failed", rid)
+        yield sse_event(error_body(f"internal error: {type(e).__name__}", "internal_error", code=500))
+    finally:
+        await stop_streams(pumps, streams)  # a client that went away stops the generations and frees their caches
+        if span is not None:
+            span.end()
+    yield "data: [DONE]\n\n"
