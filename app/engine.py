@@ -19,11 +19,12 @@ from app.controller import CostEstimator, GoodputGate, KController, KControllerC
 from app.driver import DraftPolicy, VerifyFn, run_rounds
 from app.errors import InvalidRequestError
 from app.scheduler import ForwardQueue, in_thread
-from app.grammar import Grammars, grammar_of
+from app.grammar import Grammars
 from app.kv import PREFIX_BLOCK
 from app.memory import size_kv_budget
-from app.params import SamplingParams, check_vocabulary, parse_sampling
-from app.request import GenerationJob, RequestState
+from app.params import SamplingParams, parse_sampling
+from app.job import GenerationJob, Limits, admit
+from app.request import RequestState
 from app.runner import ModelRunner
 from app.spec import propose, verify, verify_tokens
 from app.telemetry import NoObserver, RoundObserver
@@ -119,6 +120,7 @@ class Engine:
         self.eos_ids = eos_ids  # None: the tokenizer's
         self.grammars = Grammars(tokenizer, vocab_size)  # to check requests' grammars (masks are the runners')
         self.k_max = k_max
+        self.limits = Limits(vocab_size, self.max_context, k_max, self.context_limit, self.grammars.check)
         self.policy = policy or DraftPolicy()
         self.verify_cost = verify_cost
         self.costs = CostEstimator(gate=GoodputGate() if goodput_gate else None)
@@ -150,26 +152,18 @@ class Engine:
 
     def new_request(self, prompt: str | list[int], params: SamplingParams | dict | None = None,
                     request_id: str | None = None) -> RequestState:
-        """Validate and tokenize one request."""
+        """Tokenize and admit one request (app/job.py: the same check as a job from any other entry point)."""
         params = parse_sampling(params)
-        self.check(params)
-        pinned = params.speculation.pinned_k()
-        if pinned is not None and pinned > self.k_max:
-            raise InvalidRequestError(f"speculation.num_tokens must be <= {self.k_max}", param="speculation.num_tokens")
         if isinstance(prompt, str):
             ids = self.tokenizer(prompt, add_special_tokens=True)["input_ids"] if prompt else []
         else:
             ids = list(prompt)
-            if any(not isinstance(t, int) or not 0 <= t < self.vocab_size for t in ids):
-                raise InvalidRequestError(f"prompt token ids must be in [0, {self.vocab_size})", param="prompt")
-        return RequestState(request_id or uuid.uuid4().hex, ids, params, self.tokenizer, self.max_context,
-                            eos_ids=self.eos_ids, context_limit=self.context_limit)
+        job = self.admit(GenerationJob.new(ids, params, request_id or uuid.uuid4().hex))
+        return job.state(self.tokenizer, self.max_context, self.eos_ids)
 
-    def check(self, params: SamplingParams) -> None:
-        """Refuse what the model cannot honour: biases of tokens it lacks, a grammar llguidance cannot compile."""
-        check_vocabulary(params, self.vocab_size)
-        if (grammar := grammar_of(params.response_format)) is not None:
-            self.grammars.check(grammar)
+    def admit(self, job: GenerationJob) -> GenerationJob:
+        """The job checked against this engine's models (app.job.admit)."""
+        return admit(job, self.limits)
 
     def controller(self, params: SamplingParams) -> KController:
         """A request's K controller. It starts from this engine's recent acceptance rate, except for a
@@ -206,9 +200,9 @@ class Engine:
         next round joins the next forward at once (a sequence that waited on its stream would miss
         its batch). Whatever has queued while a chunk was being sent goes out as one chunk.
         """
-        job.validate(self.vocab_size)
-        state = job.state(self.tokenizer, self.max_context, self.eos_ids, self.context_limit)  # a bad job fails here, alone
-        await asyncio.to_thread(self.check, state.params)  # a grammar compiles off the loop that runs every round
+        # a bad job fails here, alone; off the loop that runs every round (a grammar compiles in it)
+        job = await asyncio.to_thread(self.admit, job)
+        state = job.state(self.tokenizer, self.max_context, self.eos_ids)
         chunks: asyncio.Queue = asyncio.Queue()
         producer = asyncio.ensure_future(self._produce(job, state, observer, trace_parent, chunks))
         try:

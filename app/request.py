@@ -1,13 +1,10 @@
 """A request's state while it generates: its tokens, stop rules, streamed text and statistics."""
 
 import functools
-import math
-import secrets
 from dataclasses import dataclass, field
 
-from app.errors import ContextLengthError, InvalidRequestError
 from app.logits import LogitRules
-from app.params import MAX_SEED, MIN_SEED, SamplingParams, check_vocabulary, parse_sampling
+from app.params import SamplingParams
 
 REPLACEMENT = "\ufffd"  # what a decoder shows for a UTF-8 sequence cut mid-way
 DETOKENIZE_CONTEXT = 5  # tokens decoded again before new ones: how a piece reads can depend on those before it
@@ -100,23 +97,17 @@ class RequestState:
 
     def __init__(self, request_id: str, prompt_ids: list[int], params: SamplingParams, tokenizer, max_context: int,
                  *, seed: int | None = None, output_ids: list[int] | None = None, streamed_chars: int = 0,
-                 eos_ids: set[int] | frozenset[int] | None = None, context_limit: str = "the model's context"):
-        """seed: the request's draw seed (params.seed, else a fresh one); output_ids and streamed_chars:
-        what an earlier replica already streamed, when a request resumes after failover; eos_ids: the
-        model's end-of-sequence ids (app.runner.eos_ids: its generation config's and its tokenizer's),
-        by default the tokenizer's alone; context_limit: what max_context is (the model's positions, or
-        the KV cache's budget where that is smaller), named in the error."""
-        if not prompt_ids:
-            raise InvalidRequestError("prompt is empty: give at least one token", param="prompt")
-        if len(prompt_ids) >= max_context:
-            raise ContextLengthError(
-                f"prompt has {len(prompt_ids)} tokens but {context_limit} is {max_context} tokens: "
-                "shorten the prompt", param="prompt")
+                 eos_ids: set[int] | frozenset[int] | None = None):
+        """Built from an admitted job (app/job.py, which checks the prompt against the context).
+        seed: the request's draw seed (the job's; params.seed when not given); output_ids and
+        streamed_chars: what an earlier replica already streamed, when a request resumes after
+        failover; eos_ids: the model's end-of-sequence ids (app.runner.eos_ids: its generation
+        config's and its tokenizer's), by default the tokenizer's alone."""
         self.request_id = request_id
         self.prompt_ids = list(prompt_ids)
         self.params = params
-        # every request has a seed so its randomness is addressable; unseeded ones get a fresh one
-        self.seed = seed if seed is not None else params.seed if params.seed is not None else secrets.randbits(62)
+        # every request has a seed so its randomness is addressable: the job chose it (GenerationJob.new)
+        self.seed = seed if seed is not None else params.seed if params.seed is not None else 0
         self.tokenizer = tokenizer
         self.max_context = max_context
         self.output_ids: list[int] = list(output_ids or [])
@@ -277,51 +268,3 @@ def prefix_function(s: str) -> tuple[int, ...]:
             j += 1
         fail[i] = j
     return tuple(fail)
-
-
-@dataclass
-class GenerationJob:
-    """Everything a replica needs to run a request from its start or to resume it elsewhere.
-
-    The front keeps the job up to date from what was streamed (durable state is what was streamed):
-    after a replica dies, the same job sent to another replica continues identically.
-    """
-
-    request_id: str
-    prompt_ids: list[int]
-    params: dict  # SamplingParams fields
-    seed: int  # the request's draw seed: params' seed, or one chosen once by the front
-    output_ids: list[int] = field(default_factory=list)  # tokens already streamed
-    streamed_chars: int = 0  # characters of text already streamed
-    controller: tuple | None = None  # the K controller's state after the last streamed round
-    trace: dict | None = None  # W3C trace context of the caller's span
-    group: str | None = None  # jobs of one group prefer one replica: a prompt's n choices share its prefill there
-
-    def record(self, chunk: dict) -> None:
-        """Take in a streamed chunk: its tokens, its text and the controller state it carries."""
-        self.output_ids += chunk.get("token_ids", [])
-        self.streamed_chars += len(chunk.get("text", ""))
-        if chunk.get("controller") is not None:
-            self.controller = tuple(chunk["controller"])
-
-    def validate(self, vocab_size: int) -> None:
-        """Refuse a job that would harm the batch it joins, whoever built it (the HTTP front validates
-        its requests; a job sent over a Serve handle is checked here): a token id outside the
-        vocabulary indexes past the embedding (on a GPU, a device fault that poisons the replica),
-        a seed outside int64 fails every co-batched request's tensor."""
-        for name, ids in (("prompt_ids", self.prompt_ids), ("output_ids", self.output_ids)):
-            if not isinstance(ids, list) or any(type(t) is not int or not 0 <= t < vocab_size for t in ids):
-                raise InvalidRequestError(f"{name} must be a list of token ids in [0, {vocab_size})", param=name)
-        if type(self.seed) is not int or not MIN_SEED <= self.seed <= MAX_SEED:
-            raise InvalidRequestError(f"seed must be an integer in [{MIN_SEED}, {MAX_SEED}]", param="seed")
-        if self.controller is not None and (len(self.controller) != 3 or not all(
-                isinstance(c, (int, float)) and math.isfinite(c) and c >= 0 for c in self.controller)):
-            raise InvalidRequestError("controller must be three finite counts >= 0", param="controller")
-        check_vocabulary(parse_sampling(self.params), vocab_size)
-
-    def state(self, tokenizer, max_context: int, eos_ids: frozenset[int] | None = None,
-              context_limit: str = "the model's context") -> RequestState:
-        """The request's state on the replica that runs it now."""
-        return RequestState(self.request_id, self.prompt_ids, SamplingParams.model_validate(self.params), tokenizer,
-                            max_context, seed=self.seed, output_ids=self.output_ids,
-                            streamed_chars=self.streamed_chars, eos_ids=eos_ids, context_limit=context_limit)

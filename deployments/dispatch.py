@@ -16,7 +16,6 @@ import asyncio
 import contextlib
 import dataclasses
 import logging
-import secrets
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -25,10 +24,8 @@ from ray.exceptions import ActorUnavailableError, RayActorError
 from ray.serve.exceptions import DeploymentUnavailableError
 
 from app import telemetry
-from app.params import SamplingParams
-from app.request import GenerationJob
+from app.job import GenerationJob
 from deployments.config import AppConfig
-from deployments.failover import ChoiceResume
 from deployments.metrics import DispatchMetrics
 from deployments.tp import RankFailure
 
@@ -71,22 +68,16 @@ class Dispatcher:
         self.active = 0
         self.metrics = DispatchMetrics()
 
-    async def generate(self, request_id: str, prompt_ids: list[int], params: dict, trace: dict | None = None,
-                       start: ChoiceResume | None = None, group: str | None = None) -> AsyncIterator[dict]:
+    async def generate(self, job: GenerationJob, trace: dict | None = None) -> AsyncIterator[dict]:
         """Stream {token_ids, text, controller} per round, then {finish_reason, usage, speculation} (or {error}).
 
-        `trace`: the caller's W3C trace context; the generation span is its child. `start`: where the
-        request stands when it continues a stream an ingress replica began (deployments/failover.py),
-        or just its draw seed. `group`: generations that should share a replica (app.request.GenerationJob).
+        `job`: the request, its seed chosen (and, when it continues a stream an ingress replica began,
+        what that stream had sent: deployments/failover.py). `trace`: the caller's W3C trace context;
+        the generation span is its child.
         """
-        sp = SamplingParams.model_validate(params)
-        span = telemetry.start_span("generate", trace, {"specserve.prompt_tokens": len(prompt_ids),
-                                                        "specserve.max_tokens": sp.max_tokens})
-        start = start or ChoiceResume(seed=sp.seed if sp.seed is not None else secrets.randbits(62))
-        # the seed is chosen once, so a resumed request keeps its draws
-        job = GenerationJob(request_id, list(prompt_ids), params, start.seed, list(start.ids), start.chars,
-                            tuple(start.ctl) if start.ctl is not None else None, trace=telemetry.carrier(span),
-                            group=group)
+        span = telemetry.start_span("generate", trace, {"specserve.prompt_tokens": len(job.prompt_ids),
+                                                        "specserve.max_tokens": job.params.max_tokens})
+        job.trace = telemetry.carrier(span)
         self.active += 1
         self.metrics.set_active(self.active)
         began, first = time.perf_counter(), None

@@ -10,7 +10,6 @@ import hashlib
 import hmac
 import logging
 import os
-import secrets
 import uuid
 
 import prometheus_client
@@ -23,11 +22,12 @@ from transformers import AutoTokenizer
 
 from app import telemetry
 from app.errors import InvalidRequestError
-from app.grammar import Grammars, grammar_of
+from app.grammar import Grammars
 from app.openai_protocol import (MAX_CHOICES, ChatCompletionRequest, ChoiceView, CompletionRequest,
                                  chat_prompt_ids, choice_body, choice_seed, combined_speculation, completion_body,
                                  default_max_tokens, join_logprobs, load_json, new_id, normalise_body, usage_body)
-from app.params import SamplingParams, SpeculationParams, check_vocabulary
+from app.job import GenerationJob
+from app.params import SamplingParams, SpeculationParams
 from deployments.config import AppConfig
 from deployments.dispatch import Dispatcher
 from deployments.failover import GUARD_HEADER, RESUME_HEADER, ChoiceResume, read_resume
@@ -61,7 +61,7 @@ class Ingress:
         default = cfg.speculation.default_num_tokens
         self.default_spec = SpeculationParams(num_tokens=default)
         self.spec_counters = VLLMSpecDecodeCounters(model_name)
-        self.grammars = Grammars(self.tokenizer, len(self.tokenizer))  # checks response_format before any work
+        self.grammars = Grammars(self.tokenizer, len(self.tokenizer))  # tokens' bytes, as llguidance reads them
         narrow_schema(model_name, cfg.limits.max_tokens_cap)
         telemetry.configure_tracing("ingress")
 
@@ -184,24 +184,24 @@ class Ingress:
         if body.model != self.model_name:
             raise APIError(404, f"model {body.model!r} does not exist; this server has {self.model_name!r}",
                            "not_found_error", "model", "model_not_found")
-        spec = body.speculation
-        if spec is not None and spec.pinned_k() is not None and spec.pinned_k() > self.cfg.speculation.k_max:
-            raise APIError(400, f"speculation.num_tokens must be <= {self.cfg.speculation.k_max}",
-                           "invalid_request_error", "speculation.num_tokens")
         salt = "/".join(s for s in (scope, body.cache_salt) if s is not None) or None
         resume_header = request.headers.get(RESUME_HEADER.decode())
         prompts, jobs, views, resume = await asyncio.get_running_loop().run_in_executor(
             self.prepare, self._prepare, body, chat, salt, resume_header)
-        starts = resume.choices if resume else [ChoiceResume(seed=p["seed"] if p["seed"] is not None
-                                                             else secrets.randbits(62)) for _, p in jobs]
+        if resume:  # each choice continues from what it streamed, with the draws it began with
+            for job, c in zip(jobs, resume.choices):
+                job.seed, job.output_ids, job.streamed_chars = c.seed, list(c.ids), c.chars
+                job.controller = tuple(c.ctl) if c.ctl is not None else None
+        starts = resume.choices if resume else [ChoiceResume(seed=job.seed) for job in jobs]
         rid = resume.rid if resume else new_id("chatcmpl" if chat else "cmpl")
         live = [i for i, c in enumerate(starts) if not c.done]
         for i in live if resume else ():
             views[i].resume(starts[i].chars)
         # a prompt's n choices go to one target replica, which prefills their prompt once (app/engine.py)
-        groups = [f"{rid}/{i // body.n}" if body.n > 1 else None for i in range(len(jobs))]
-        streams = [self.dispatch.generate(uuid.uuid4().hex, *jobs[i], telemetry.carrier(span), starts[i], groups[i])
-                   for i in live]
+        for i, job in enumerate(jobs):
+            job.group = f"{rid}/{i // body.n}" if body.n > 1 else None
+        # the engine on the target replica admits each job (app/job.py): a bad one's first chunk is its 400
+        streams = [self.dispatch.generate(jobs[i], telemetry.carrier(span)) for i in live]
         deadline = asyncio.get_running_loop().time() + self.cfg.limits.request_timeout_s
         prompt_tokens = sum(len(ids) for ids in prompts)  # each prompt counted once, whatever n
         # errors before any token get a proper status
@@ -241,16 +241,16 @@ class Ingress:
         echo = not chat and body.echo
         for i, ids in enumerate(prompts):
             sampling = self._sampling(body, len(ids), chat, salt)
-            params = sampling.model_dump()
             for j in range(body.n):
-                seed = params["seed"]
-                jobs.append((ids, {**params, "seed": choice_seed(seed, j) if seed is not None else None}))
+                params = sampling if sampling.seed is None else sampling.model_copy(
+                    update={"seed": choice_seed(sampling.seed, j)})
+                jobs.append(GenerationJob.new(ids, params, uuid.uuid4().hex))
                 echoed = (p if isinstance(p := body.prompts()[i], str) else self.tokenizer.decode(ids)) if echo else None
                 views.append(ChoiceView(self.tokenizer, chat, sampling.logprobs is not None, echoed, ids,
                                         self._token_bytes))
         return prompts, jobs, views, self._resume(resume_header, body, jobs)
 
-    def _resume(self, header: str | None, body, jobs: list[tuple[list[int], dict]]):
+    def _resume(self, header: str | None, body, jobs: list[GenerationJob]):
         """Where a stream another ingress replica began stands (set by the proxy's failover), or None;
         checked like any input (whoever reaches a replica can send the header)."""
         name = RESUME_HEADER.decode()
@@ -263,9 +263,9 @@ class Ingress:
         if not body.stream or len(resume.choices) != len(jobs):
             raise APIError(400, f"{name} does not match this request: it resumes a stream of "
                            f"{len(resume.choices)} choices", "invalid_request_error")
-        vocab = len(self.tokenizer)
-        for c, (_, params) in zip(resume.choices, jobs):
-            if len(c.ids) > params["max_tokens"] or any(not 0 <= t < vocab for t in c.ids):
+        vocab = len(self.tokenizer)  # the header's own check, before its ids are used here
+        for c, job in zip(resume.choices, jobs):
+            if len(c.ids) > job.params.max_tokens or any(not 0 <= t < vocab for t in c.ids):
                 raise APIError(400, f"{name} holds more than max_tokens tokens or ids outside [0, {vocab})",
                                "invalid_request_error")
         return resume
@@ -278,12 +278,10 @@ class Ingress:
             return self.tokenizer.decode([token], skip_special_tokens=False).encode()
 
     def _sampling(self, body, prompt_len: int, chat: bool, salt: str | None = None) -> SamplingParams:
-        """A prompt's sampling parameters, checked against the model (a 400 naming what is wrong)."""
+        """A prompt's sampling parameters from the body (a 400 naming what is wrong). Checked against the
+        model where every entry point's jobs are, by the engine that runs them (app/job.py)."""
         try:
             sampling = body.sampling(self._max_tokens(body, prompt_len, chat), self.default_spec, salt)
-            check_vocabulary(sampling, len(self.tokenizer))
-            if (grammar := grammar_of(sampling.response_format)) is not None:
-                self.grammars.check(grammar)
         except ValidationError as e:
             raise invalid(e.errors()) from None
         except InvalidRequestError as e:

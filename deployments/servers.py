@@ -21,7 +21,7 @@ from app.driver import DraftPolicy
 from app.engine import Engine
 from app.scheduler import ForwardQueue, in_thread
 from app.memory import size_kv_budget
-from app.request import GenerationJob
+from app.job import GenerationJob
 from app.runner import ModelRunner, SeqInput, eos_ids, load_generation_config
 from app.spec import Proposal, propose, verify, verify_tokens
 from deployments.affinity import Calls

@@ -54,7 +54,9 @@ def test_every_mode_reports_every_key(model_dirs, tmp_path, capsys):
 
 
 def test_a_mismatch_of_our_modes_fails_the_run(model_dirs, tmp_path, monkeypatch, capsys):
-    real = bench.run_engine
+    from tools import bench_runs
+
+    real = bench_runs.run_engine
 
     def corrupt(engine, ids, mode, max_tokens):
         run = real(engine, ids, mode, max_tokens)
@@ -62,7 +64,7 @@ def test_a_mismatch_of_our_modes_fails_the_run(model_dirs, tmp_path, monkeypatch
             run.tokens[-1] = (run.tokens[-1] + 1) % engine.target.vocab_size
         return run
 
-    monkeypatch.setattr(bench, "run_engine", corrupt)
+    monkeypatch.setattr(bench_runs, "run_engine", corrupt)
     args = cli_args(model_dirs, tmp_path, "--modes", "spec-k2,spec-k4", "--plot", "")
     assert bench.bench_cli(args) == 1
     err = capsys.readouterr().err

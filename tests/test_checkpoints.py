@@ -158,7 +158,7 @@ def test_a_bad_job_over_the_handle_fails_alone_with_a_typed_error(change, param,
     """A job as a Serve handle caller builds it: validated where it runs, failing alone, never hanging."""
     import asyncio
 
-    from app.request import GenerationJob
+    from app.job import GenerationJob
 
     engine = Engine(ModelRunner(target_model, tokenizer), ModelRunner(blend(target_model, 7, 0.85), tokenizer))
 

@@ -7,6 +7,7 @@ import pytest
 from ray.exceptions import RayActorError
 
 from app.engine import Engine
+from app.job import GenerationJob
 from app.params import SamplingParams
 from app.runner import ModelRunner
 from conftest import blend
@@ -80,7 +81,7 @@ def params(**kw) -> dict:
 def run(router: Dispatcher, p: dict) -> tuple[list[int], str, dict]:
     async def collect():
         tokens, text, last = [], "", None
-        async for chunk in router.generate("r1", PROMPT_IDS, p):
+        async for chunk in router.generate(GenerationJob.new(PROMPT_IDS, SamplingParams.model_validate(p), "r1")):
             tokens += chunk.get("token_ids", [])
             text += chunk.get("text", "")
             last = chunk

@@ -263,7 +263,10 @@ def test_a_resumed_view_neither_echoes_again_nor_restarts_its_text_offsets(token
 def test_an_ingress_answers_resume_state_that_does_not_fit_the_request_with_a_400(tokenizer):
     from deployments.ingress import APIError, Ingress
 
-    me, jobs = SimpleNamespace(tokenizer=tokenizer), [([1, 2], {"max_tokens": 4})]
+    from app.job import GenerationJob
+    from app.params import SamplingParams
+
+    me, jobs = SimpleNamespace(tokenizer=tokenizer), [GenerationJob.new([1, 2], SamplingParams(max_tokens=4))]
 
     def resume(state, stream=True):
         return Ingress._resume(me, state, SimpleNamespace(stream=stream), jobs)

@@ -115,7 +115,7 @@ def test_a_job_with_bad_controller_state_fails_at_once_with_a_clear_error(target
     guard, and the stream waited out the request's timeout holding its slot."""
     from app.engine import Engine
     from app.errors import InvalidRequestError
-    from app.request import GenerationJob
+    from app.job import GenerationJob
 
     engine = Engine(ModelRunner(target_model, tokenizer))
     job = GenerationJob("r", [0, 5, 6], SamplingParams(max_tokens=4).model_dump(), seed=1, controller=controller)
@@ -133,7 +133,7 @@ def test_a_prompts_choices_rank_one_target_replica_first_and_others_keep_power_o
     from dataclasses import dataclass
     from types import SimpleNamespace
 
-    from app.request import GenerationJob
+    from app.job import GenerationJob
     from deployments.affinity import ChoiceGroupRouter
 
     @dataclass(frozen=True)
@@ -159,12 +159,13 @@ def test_a_jobs_grammar_is_checked_off_the_event_loop(target_model, tokenizer):
     import threading
 
     from app.engine import Engine
-    from app.request import GenerationJob
+    from app.job import GenerationJob
 
     engine = Engine(ModelRunner(target_model, tokenizer))
     threads = []
-    engine.check = lambda params: threads.append(threading.current_thread())
-    job = GenerationJob("r", [0, 5, 6], SamplingParams(max_tokens=2).model_dump(), seed=1)
+    admit = engine.admit
+    engine.admit = lambda job: threads.append(threading.current_thread()) or admit(job)
+    job = GenerationJob("r", [0, 5, 6], SamplingParams(max_tokens=2), seed=1)
 
     async def consume():
         loop_thread = threading.current_thread()

@@ -88,3 +88,9 @@ def test_no_module_imports_itself_through_others(graph):
         if start not in state:
             visit(start, [start])
     assert not cycles, cycles
+
+
+def test_no_source_file_outgrows_a_sitting():
+    """A module a newcomer reads in one go: about 400 lines at most (split by concern past that)."""
+    long = {name: n for name, path in modules().items() if (n := len(path.read_text().splitlines())) > 420}
+    assert not long, long

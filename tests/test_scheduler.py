@@ -11,7 +11,7 @@ from app.driver import DraftPolicy, DraftUnavailable
 from app.engine import Engine
 from app.scheduler import ForwardQueue
 from app.params import SamplingParams
-from app.request import GenerationJob
+from app.job import GenerationJob
 from app.runner import ModelRunner, SeqInput
 from conftest import blend
 

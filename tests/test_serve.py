@@ -256,3 +256,36 @@ def test_replicas_run_on_their_pools(app):
         assert pool in nodes[stats["node_id"]], f"{name} landed on a node without {pool}"
         other = "target_pool" if pool == "draft_pool" else "draft_pool"
         assert other not in nodes[stats["node_id"]]
+
+
+INVALID = [  # (params of a job that no model of the pair can run, the parameter its error names)
+    ({"speculation": {"num_tokens": 9}}, "speculation.num_tokens"),  # past k_max (8)
+    ({"logit_bias": {"100000": 1.0}}, "logit_bias"),  # a token the vocabulary lacks
+    ({"top_k": 100000}, "top_k"),
+    ({"stop_token_ids": [100000]}, "stop_token_ids"),
+]
+
+
+@pytest.mark.parametrize("fields, param", INVALID, ids=[p for _, p in INVALID])
+def test_an_invalid_job_gets_the_same_error_through_every_entry_point(app, local, fields, param):
+    """Validation happens in one place (app/job.py, admit): the job is refused alike over HTTP, over a
+    Serve handle to the target pool, and by the in-process engine."""
+    from app.errors import InvalidRequestError
+    from app.job import GenerationJob
+
+    ids, params = [5, 6, 7], SamplingParams(max_tokens=4, **fields)
+    r = httpx.post(f"{app}/v1/completions", json={"model": "target", "prompt": ids, "max_tokens": 4, **fields},
+                   timeout=60)
+    assert r.status_code == 400, r.text
+    over_http = (r.json()["error"]["param"], r.json()["error"]["message"])
+
+    handle = serve.get_deployment_handle("TargetServer", "specserve").options(stream=True)
+    with pytest.raises(InvalidRequestError) as e:
+        next(iter(handle.generate.remote(GenerationJob.new(ids, params))))
+    cause = getattr(e.value, "cause", e.value)
+    over_handle = (cause.param, str(cause))
+
+    with pytest.raises(InvalidRequestError) as e:
+        local.new_request(ids, params)
+    in_process = (e.value.param, str(e.value))
+    assert over_http == over_handle == in_process and over_http[0] == param

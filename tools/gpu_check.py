@@ -31,7 +31,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
 from app import dtypes
-from tools.bench import K_MATCHED, MODES, Mode, forward_ms, run_engine, run_hf
+from tools.bench_runs import K_MATCHED, MODES, Mode, forward_ms, run_engine, run_hf
 from app.driver import DraftPolicy
 from app.engine import Engine
 from app.params import SamplingParams
