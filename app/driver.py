@@ -41,42 +41,14 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 
 from app import telemetry
+from app.draft_policy import DraftPolicy, DraftUnavailable
 from app.controller import CostEstimator, KController
 from app.request import RequestState
 from app.spec import Proposal, ProposeItem, Verdict, VerifyItem
 from app.telemetry import NoObserver, RoundFacts, RoundObserver
 
-
-class DraftUnavailable(Exception):
-    """The draft could not answer: the round falls back to a plain target step.
-
-    `reason` says why, for metrics and traces: "draft_unavailable" (an error, or backing off after
-    one) or "deadline" (the draft was slower than its timeout).
-    """
-
-    def __init__(self, message: str = "", reason: str = "draft_unavailable"):
-        super().__init__(message)
-        self.reason = reason
-
-
 ProposeFn = Callable[[ProposeItem], Awaitable[Proposal]]
 VerifyFn = Callable[[VerifyItem], Awaitable[Verdict]]
-
-
-@dataclass
-class DraftPolicy:
-    """How a sequence uses its draft."""
-
-    timeout_s: float = 2.0  # a proposal later than this: the round runs as a plain target step
-    retry_after_s: float = 5.0  # after a draft failure, this sequence's rounds are plain steps this long
-    # A seeded sampled request's draws depend on each round's K, so falling open would change its
-    # output: it asks again (another replica answers with the same proposal), this many times with
-    # this backoff doubling (1.5 s in all), before it falls open after all, like the others: then its
-    # output is distribution-exact but no longer what an undisturbed run gives.
-    seeded_retries: int = 4
-    seeded_backoff_s: float = 0.1
-    ahead: bool = True  # ask for round n+1's proposal while round n is verified
-    clock: Callable[[], float] = time.monotonic  # injected by tests
 
 
 def within_room(state: RequestState, k: int, emitted: int = 0) -> int:

@@ -9,19 +9,20 @@ import functools
 import uuid
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
-from typing import Literal, Protocol
+from typing import Protocol
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, ConfigDict, Field
 
 from app import telemetry
 from app.compat import check_vocabularies
+from app.config import ModelSettings, SpeculationSettings
 from app.controller import CostEstimator, GoodputGate, KController, KControllerConfig
 from app.driver import DraftPolicy, VerifyFn, run_rounds
 from app.errors import InvalidRequestError
 from app.scheduler import ForwardQueue, in_thread
 from app.grammar import Grammars
 from app.kv import PREFIX_BLOCK
-from app.memory import size_kv_budget
+from app.loading import load_runner
 from app.params import SamplingParams, parse_sampling
 from app.job import GenerationJob, Limits, admit
 from app.request import RequestState
@@ -33,30 +34,40 @@ MAX_BATCH_TOKENS = 2048  # most positions one target forward computes in process
 
 
 class EngineConfig(BaseModel):
-    """How the engine loads its models and speculates."""
+    """How the in-process engine loads its models and speculates: each model's settings and the
+    speculation defaults (app/config.py, the same settings the served app's config holds)."""
+
+    model_config = ConfigDict(extra="forbid")
 
     target: str = Field(description="Target model: hub id or local directory.")
     draft: str | None = Field(None, description="Draft model: hub id or local directory; None = no speculation.")
-    dtype: str = Field("float32", description="Weights dtype of the target: float32, bfloat16, float16 or auto.")
-    draft_dtype: str = Field("float32", description="Weights dtype of the draft.")
-    device: str = Field("cpu", description="torch device of both models.")
-    k_max: int = Field(8, ge=0, le=32, description="Largest K the controller may choose or a request may pin.")
-    draft_top_n: int = Field(32, ge=0, description="Draft distribution truncated to its top-N (exact; 0 = full).")
-    max_cache_bytes: int | None = Field(
-        None, gt=0, description="KV cache budget of each model, bytes (LRU beyond); None: on a GPU what "
-        "memory_utilization leaves (app/memory.py), on a CPU 1 GiB.")
-    memory_utilization: float = Field(
-        0.9, gt=0, le=1, description="GPU: the share of the device's memory both models may use together.")
-    trust_remote_code: bool = Field(False, description="Run model code shipped with the weights (off: safer).")
-    compile: Literal["off", "default", "reduce-overhead"] = Field(
-        "off", description="Both models' steps as torch.compile graphs over static token counts (app/compiled.py), "
-        "compiled at load; reduce-overhead replays them as CUDA graphs on a GPU.")
+    target_settings: ModelSettings = Field(default_factory=ModelSettings, description="How the target loads.")
+    draft_settings: ModelSettings = Field(default_factory=ModelSettings, description="How the draft loads.")
     # In one process the two models' forwards take turns at the GIL, so drafting ahead slows the verify
     # it hides behind (2 CPU cores, demo pair, 16 code prompts, K = 4, `specserve bench` with and without
     # --draft-ahead: 145-155 tokens/s with it, 170-177 without). The served path, where the draft is
     # another process, keeps it.
-    draft_ahead: bool = Field(False, description="Draft round n+1 while round n verifies (exact). Off in "
-                              "process: both models share one interpreter's GIL (see above).")
+    speculation: SpeculationSettings = Field(default_factory=lambda: SpeculationSettings(draft_ahead=False),
+                                             description="Speculation defaults; drafting ahead is off in process.")
+
+    @classmethod
+    def of(cls, target: str, draft: str | None = None, **settings) -> "EngineConfig":
+        """From flat keyword settings: `dtype` and `draft_dtype` per model; `device`, `max_cache_bytes`,
+        `memory_utilization`, `trust_remote_code`, `compile`, `compile_max_tokens`, `attention` for both;
+        the speculation settings (`k_max`, `draft_top_n`, `draft_ahead`, ...) by name."""
+        per = {"dtype": "target_settings", "draft_dtype": "draft_settings"}
+        both, speculation = set(ModelSettings.model_fields) - {"dtype"}, set(SpeculationSettings.model_fields)
+        out: dict = {"target_settings": {}, "draft_settings": {}, "speculation": {"draft_ahead": False}}
+        for name, value in settings.items():
+            if name in per:
+                out[per[name]]["dtype"] = value
+            elif name in both:
+                out["target_settings"][name] = out["draft_settings"][name] = value
+            elif name in speculation:
+                out["speculation"][name] = value
+            else:
+                raise TypeError(f"unknown engine setting {name!r}")
+        return cls.model_validate({"target": target, "draft": draft, **out})
 
 
 @dataclass
@@ -130,25 +141,18 @@ class Engine:
 
     @classmethod
     def from_config(cls, config: EngineConfig) -> "Engine":
-        def load(path: str, dtype: str) -> ModelRunner:
-            return ModelRunner.from_pretrained(path, dtype=dtype, device=config.device,
-                                               trust_remote_code=config.trust_remote_code, compile=config.compile)
-        target = load(config.target, config.dtype)
-        draft = load(config.draft, config.draft_dtype) if config.draft else None
+        target = load_runner(config.target, config.target_settings, MAX_BATCH_TOKENS)
         # both models share the device: the draft's budget is sized once the target's is taken
-        size_kv_budget(target, config.memory_utilization, config.max_cache_bytes, MAX_BATCH_TOKENS)
-        if draft is not None:
-            size_kv_budget(draft, config.memory_utilization, config.max_cache_bytes, MAX_BATCH_TOKENS,
-                           reserved=target.cache.max_bytes)
-        for runner in filter(None, (target, draft)):
-            runner.warm()
-        return cls(target, draft, k_max=config.k_max, draft_top_n=config.draft_top_n,
-                   policy=DraftPolicy(ahead=config.draft_ahead))
+        draft = (load_runner(config.draft, config.draft_settings, MAX_BATCH_TOKENS, reserved=target.cache.max_bytes)
+                 if config.draft else None)
+        spec = config.speculation
+        return cls(target, draft, k_max=spec.k_max, draft_top_n=spec.draft_top_n, policy=DraftPolicy.of(spec),
+                   goodput_gate=spec.goodput_gate)
 
     @classmethod
     def from_pretrained(cls, target: str, draft: str | None = None, **kwargs) -> "Engine":
-        """Build an engine from two model paths or hub ids; kwargs are EngineConfig fields."""
-        return cls.from_config(EngineConfig(target=target, draft=draft, **kwargs))
+        """Build an engine from two model paths or hub ids; kwargs are settings (EngineConfig.of)."""
+        return cls.from_config(EngineConfig.of(target, draft, **kwargs))
 
     def new_request(self, prompt: str | list[int], params: SamplingParams | dict | None = None,
                     request_id: str | None = None) -> RequestState:

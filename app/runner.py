@@ -33,13 +33,22 @@ def weights_dtype(name_or_path: str, dtype: str, device: str = "cpu", trust_remo
 
 
 def load_model(
-    name_or_path: str, *, dtype: str = "float32", device: str = "cpu", trust_remote_code: bool = False
+    name_or_path: str, *, dtype: str = "float32", device: str = "cpu", trust_remote_code: bool = False,
+    tp_size: int = 1,
 ) -> tuple[PreTrainedModel, object]:
-    """Load (model, tokenizer) from a hub id or a local directory; offline when HF_HUB_OFFLINE=1."""
+    """Load (model, tokenizer) from a hub id or a local directory; offline when HF_HUB_OFFLINE=1.
+    tp_size > 1: this process's shard of a tensor-parallel model (transformers' tp_plan, over the
+    torch.distributed group the caller set up), on the device that group gave it."""
     offline = os.environ.get("HF_HUB_OFFLINE") == "1"
     kwargs = dict(trust_remote_code=trust_remote_code, local_files_only=offline)
     torch_dtype = weights_dtype(name_or_path, dtype, device, trust_remote_code)
     tokenizer = AutoTokenizer.from_pretrained(name_or_path, **kwargs)
+    if tp_size > 1:
+        from transformers.distributed import DistributedConfig
+
+        model = AutoModelForCausalLM.from_pretrained(name_or_path, dtype=torch_dtype,
+                                                     distributed_config=DistributedConfig(tp_size=tp_size), **kwargs)
+        return model.eval(), tokenizer
     model = AutoModelForCausalLM.from_pretrained(name_or_path, dtype=torch_dtype, **kwargs)
     return model.to(device).eval().requires_grad_(False), tokenizer
 

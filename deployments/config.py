@@ -1,45 +1,19 @@
 """Typed `args` of build_app: the application section of the Serve config."""
 
-from typing import Literal
-
 from pydantic import BaseModel, ConfigDict, Field
 
+from app.config import ModelSettings, SpeculationSettings
 
-class ModelConfig(BaseModel):
-    """One model of the pair."""
 
-    model_config = ConfigDict(extra="forbid", protected_namespaces=())
+class ModelConfig(ModelSettings):
+    """One model of the pair: where it comes from, and its settings (app/config.py)."""
 
     model: str | None = Field(None, description="Hub id or local directory; None = the demo pair's model.")
-    dtype: str = Field("float32", description="float32, bfloat16, float16 or auto.")
-    device: str = Field("auto", description="torch device; auto = cuda when available, else cpu.")
-    max_cache_bytes: int | None = Field(
-        None, gt=0, description="KV cache budget per replica (per rank in tensor parallel), bytes; least recently "
-        "used sequences are evicted beyond it. None: on a GPU, what memory_utilization leaves; on a CPU, 1 GiB. "
-        "On a GPU a given value only lowers the budget memory_utilization leaves.")
-    memory_utilization: float = Field(
-        0.9, gt=0, le=1, description="GPU: the fraction of the device's memory this replica (or rank) may use for "
-        "weights, working buffers and KV cache together (vLLM's gpu_memory_utilization).")
-    trust_remote_code: bool = Field(False, description="Run code shipped with the weights; off unless you trust them.")
-    compile: Literal["off", "default", "reduce-overhead"] = Field(
-        "off", description="Steps of up to compile_max_tokens positions as torch.compile graphs over static token "
-        "counts (powers of two), compiled before the replica takes traffic; larger forwards run eagerly. "
-        "reduce-overhead replays the graphs as CUDA graphs on a GPU. CPU needs a C++ compiler; without one, eager.")
-    compile_max_tokens: int = Field(128, ge=1, description="Largest compiled step, positions per forward.")
-    attention: Literal["auto", "flex", "cpu_paged", "per_sequence"] = Field(
-        "auto", description="How attention reads the paged KV cache: flex = one FlexAttention call per layer "
-        "(auto on a GPU); cpu_paged = decode and verify rows in one call per layer of a C++ kernel built on "
-        "the machine (auto on a CPU with a compiler, float32); per_sequence = one SDPA call per sequence.")
-    torch_threads: int | None = Field(
-        None, ge=1, description="torch CPU threads of each replica (and rank worker); None = Ray's default, one "
-        "per whole reserved CPU. Raise it on CPU nodes with cores to spare (on a 2-core node that also runs Ray's "
-        "processes, 2 target threads measured slower than 1).")
 
 
 class TargetConfig(ModelConfig):
     """The target model; tensor-parallel across the GPUs of one node when tensor_parallel_size > 1."""
 
-    dtype: str = Field("float32", description="float32, bfloat16, float16 or auto (bf16: see the README on near-ties).")
     tensor_parallel_size: int = Field(1, ge=1, description="Rank workers (one GPU each) per TargetServer replica.")
     rank_resources: dict[str, float] = Field(
         default_factory=lambda: {"CPU": 0.25},
@@ -50,26 +24,8 @@ class TargetConfig(ModelConfig):
         "target_pool", description="Custom resource of the target node pool, added to bundle 0 so the group lands there.")
 
 
-class SpeculationConfig(BaseModel):
-    """Speculation defaults; requests may pin K or turn speculation off."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    k_max: int = Field(8, ge=0, le=32, description="Largest K chosen by the controller or pinned by a request.")
-    default_num_tokens: int | Literal["auto"] = Field("auto", description="K when a request does not say.")
-    draft_top_n: int = Field(32, ge=0, description="Draft distribution truncated to its top-N (exact; 0 = full).")
-    draft_timeout_s: float = Field(2.0, gt=0, description="A propose slower than this falls back to a target step.")
-    draft_retry_after_s: float = Field(5.0, gt=0, description="After a draft failure, plain target steps this long.")
-    draft_ahead: bool = Field(
-        True, description="While a round verifies, draft the next one for the likely outcome (all accepted, bonus = "
-        "the draft's guess); exact, it only hides the draft's time. Costs one more draft step per round.")
-    goodput_gate: bool = Field(
-        False, description="Measure whether speculating emits more tokens per second than plain steps at the "
-        "current load (windows of 0.5 s, per load level, the slower mode retried one window in five), and take "
-        "plain steps where it does not. For a draft that shares the target's cores. Greedy and unseeded "
-        "requests only; exact either way.")
-    verify_saturation_tokens: int = Field(
-        64, gt=0, description="Tokens per target batch beyond which verifying more costs time (load-aware K).")
+# Speculation defaults (app/config.py); the name the served config's sections go by
+SpeculationConfig = SpeculationSettings
 
 
 class BatchConfig(BaseModel):

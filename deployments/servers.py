@@ -8,21 +8,19 @@ The classes carry no @serve.deployment: build_app applies it with options from t
 
 import asyncio
 import functools
-import logging
 import sys
 from collections.abc import AsyncIterator
 
 import ray
-import torch
 from ray import serve
 
 from app import telemetry
 from app.driver import DraftPolicy
 from app.engine import Engine
 from app.scheduler import ForwardQueue, in_thread
-from app.memory import size_kv_budget
+from app.loading import load_runner
 from app.job import GenerationJob
-from app.runner import ModelRunner, SeqInput, eos_ids, load_generation_config
+from app.runner import eos_ids, load_generation_config
 from app.spec import Proposal, propose, verify, verify_tokens
 from deployments.affinity import Calls
 from deployments.autoscaling import CallerWaits, Observers, RoundLoad
@@ -35,32 +33,11 @@ from deployments.config import (
 )
 from deployments.draft_client import DraftClient
 from deployments.metrics import RoundMetrics, ServerMetrics
-from deployments.tp import RankGroup, set_torch_threads
+from deployments.tp import RankGroup
 
 # measured on 2 CPU cores, demo pair, one stream: 75 -> 105 tok/s speculative, target forward 25 -> 19 ms
 SWITCH_INTERVAL_S = 0.0005
 DRAFT_PREFILL_TOKENS = 4096  # positions of the longest prompt the KV budget leaves working room for
-
-
-def load_runner(cfg: ModelConfig, path: str, forward_tokens: int) -> ModelRunner:
-    """The model on its device, its KV budget sized from that device's memory (app/memory.py) for
-    forwards of up to `forward_tokens` positions."""
-    set_torch_threads(cfg)
-    device = cfg.device if cfg.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
-    runner = ModelRunner.from_pretrained(path, dtype=cfg.dtype, device=device, trust_remote_code=cfg.trust_remote_code,
-                                         compile=cfg.compile, compile_max_tokens=cfg.compile_max_tokens,
-                                         attention=cfg.attention)
-    size_kv_budget(runner, cfg.memory_utilization, cfg.max_cache_bytes, forward_tokens)
-    runner.warm(logging.getLogger("ray.serve").info)  # the replica's log shows each compile
-    warm_up(runner)
-    return runner
-
-
-def warm_up(runner: ModelRunner) -> None:
-    """One tiny forward at load, so the first request does not pay for torch's lazy set-up (and its
-    timing does not mislead the cost estimate that chooses K)."""
-    runner.forward([SeqInput("specserve-warm-up", [0, 1, 2, 3], 1)])
-    runner.release("specserve-warm-up")
 
 
 def _replica_id() -> str:
@@ -132,7 +109,7 @@ class DraftServer(_Server):
     def __init__(self, cfg: ModelConfig, path: str, batch: BatchConfig, top_n: int):
         super().__init__()
         # a draft forward: a step of every sequence in the batch, or a new sequence's whole prompt
-        self.runner = load_runner(cfg, path, max(batch.max_batch_size, DRAFT_PREFILL_TOKENS))
+        self.runner = load_runner(path, cfg, max(batch.max_batch_size, DRAFT_PREFILL_TOKENS))
         self.queue = self._queue(in_thread(functools.partial(propose, self.runner, top_n=top_n)), self._release,
                                  batch, "DraftServer.propose", self.runner.forget)
         self.callers = CallerWaits()
@@ -165,7 +142,7 @@ class TargetServer(_Server):
         super().__init__()
         self.ranks: RankGroup | None = None
         if cfg.tensor_parallel_size == 1:
-            self.runner = load_runner(cfg, path, batch.max_batch_tokens)
+            self.runner = load_runner(path, cfg, batch.max_batch_tokens)
             tokenizer, vocab, eos = self.runner.tokenizer, self.runner.vocab_size, self.runner.eos_ids
             forward, release = in_thread(functools.partial(verify, self.runner)), self._release
             forget, kv_capacity = self.runner.forget, self.runner.capacity_tokens()
@@ -187,8 +164,7 @@ class TargetServer(_Server):
         self.speculation = speculation
         self.batch_ema = 1.0  # verify batch size, smoothed: the load that load-aware K weighs
         self.queue.on_batch = self._on_batch
-        policy = DraftPolicy(timeout_s=speculation.draft_timeout_s, retry_after_s=speculation.draft_retry_after_s,
-                             ahead=speculation.draft_ahead)
+        policy = DraftPolicy.of(speculation)
         if draft is not None:
             self._warming = _start(self._connect(draft))
         self.draft_client = (DraftClient(draft, max_batch=None, wait_share=lambda: self.round_load.wait_share)

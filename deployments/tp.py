@@ -17,13 +17,13 @@ import torch
 from ray.exceptions import RayActorError, RayTaskError
 from ray.util.placement_group import get_current_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
-from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoConfig
 
 from app.errors import ReplicaFault, is_fault
-from app.memory import agree_on_budget, size_kv_budget
-from app.runner import ModelRunner, weights_dtype
+from app.loading import load_runner
+from app.memory import agree_on_budget
 from app.spec import Verdict, VerifyItem, verify
-from deployments.config import ModelConfig, TargetConfig
+from deployments.config import TargetConfig
 
 
 class RankFailure(ReplicaFault):
@@ -60,12 +60,6 @@ def check_divisible(path: str, n: int, trust_remote_code: bool = False) -> None:
                          f"key/value heads ({kv}); choose a divisor")
 
 
-def set_torch_threads(cfg: ModelConfig) -> None:
-    """Ray sets one OpenMP thread per whole reserved CPU (one for a fraction); the config may say otherwise."""
-    if cfg.torch_threads:
-        torch.set_num_threads(cfg.torch_threads)
-
-
 @dataclass
 class CacheSnapshot:
     """A rank's KV cache occupancy, shaped like the KVStore the server metrics read."""
@@ -96,17 +90,8 @@ class RankWorker:
         os.environ.update(MASTER_ADDR=address, MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
                           LOCAL_RANK="0" if cuda else str(rank))  # Ray gives each rank its own GPU as cuda:0
         torch.distributed.init_process_group("nccl" if cuda else "gloo", rank=rank, world_size=world)
-        set_torch_threads(cfg)
-        from transformers.distributed import DistributedConfig
-
-        model = AutoModelForCausalLM.from_pretrained(
-            path, dtype=weights_dtype(path, cfg.dtype, "cuda" if cuda else "cpu", cfg.trust_remote_code),
-            distributed_config=DistributedConfig(tp_size=world),
-            trust_remote_code=cfg.trust_remote_code)
-        tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=cfg.trust_remote_code)
-        self.runner = ModelRunner(model.eval(), tokenizer, compile=cfg.compile)  # warns: TP runs eagerly
-        # this rank's shard on this rank's device
-        size_kv_budget(self.runner, cfg.memory_utilization, cfg.max_cache_bytes, forward_tokens)
+        # this rank's shard on this rank's device, its budget sized there; TP runs eagerly
+        self.runner = load_runner(path, cfg, forward_tokens, tp_size=world)
         agree_on_budget(self.runner)  # ranks evicting differently would hang on mismatched collectives
         self.rank = rank
 

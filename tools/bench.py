@@ -244,7 +244,7 @@ def add_bench_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--compile", default="off", choices=["off", "default", "reduce-overhead"],
                    help="in process: both models' steps as compiled graphs (app/compiled.py), compiled before timing")
     p.add_argument("--draft-ahead", action="store_true",
-                   help="in process: draft round n+1 while round n verifies (off by default: EngineConfig.draft_ahead)")
+                   help="in process: draft round n+1 while round n verifies (off by default in process: EngineConfig.speculation.draft_ahead)")
     p.add_argument("--modes", help=f"comma-separated subset of: {', '.join(MODES)} (default: all); with --url: "
                    "target, spec-auto, spec-kN (default: target,spec-auto)")
     p.add_argument("--json", help="write the report as JSON here")
