@@ -24,6 +24,7 @@ from app.grammar import Grammars
 from app.kv import PREFIX_BLOCK
 from app.loading import load_runner
 from app.params import SamplingParams, parse_sampling
+from app.chunks import Chunk
 from app.job import GenerationJob, Limits, admit
 from app.request import RequestState
 from app.runner import ModelRunner
@@ -196,7 +197,7 @@ class Engine:
             await asyncio.shield(asyncio.ensure_future(self.release(state.request_id)))
 
     async def run_job(self, job: GenerationJob, observer: RoundObserver = NoObserver(),
-                      trace_parent: telemetry.Parent = None) -> AsyncIterator[dict]:
+                      trace_parent: telemetry.Parent = None) -> AsyncIterator[Chunk]:
         """Run (or resume) a request: chunks {token_ids, text, controller}, then a last chunk with
         finish_reason, usage and speculation stats. What a TargetServer replica streams.
 
@@ -230,8 +231,8 @@ class Engine:
             async for kept in self.stream(state, controller, observer, trace_parent):
                 delta = state.take_delta()
                 if kept or delta:
-                    chunks.put_nowait({"token_ids": kept, "text": delta, "controller": controller.snapshot(),
-                                       **_logprobs(state, len(kept))})
+                    chunks.put_nowait(Chunk(token_ids=kept, text=delta, controller=controller.snapshot(),
+                                            **_logprobs(state, len(kept))))
         except asyncio.CancelledError as e:
             # the stream is never left waiting: a round cancelled from elsewhere ends it with an error
             chunks.put_nowait(RuntimeError(f"generation cancelled: {e}"))
@@ -240,11 +241,11 @@ class Engine:
             chunks.put_nowait(e)
             return
         prompt, completion = len(job.prompt_ids), len(state.output_ids)
-        chunks.put_nowait({"token_ids": [], "text": state.take_delta(), "finish_reason": state.finish_reason,
-                           **_logprobs(state, 0),
-                           "usage": {"prompt_tokens": prompt, "completion_tokens": completion,
-                                     "total_tokens": prompt + completion},
-                           "speculation": state.stats.summary()})
+        chunks.put_nowait(Chunk(token_ids=[], text=state.take_delta(), finish_reason=state.finish_reason,
+                                **_logprobs(state, 0),
+                                usage={"prompt_tokens": prompt, "completion_tokens": completion,
+                                       "total_tokens": prompt + completion},
+                                speculation=state.stats.summary()))
 
     async def release(self, seq_id: str) -> None:
         """Free a request's caches on both models (a release that fails is the remote replica's loss)."""
@@ -328,14 +329,14 @@ def _logprobs(state: RequestState, kept: int) -> dict:
     return out
 
 
-def _merge(first: dict | BaseException, then: dict | BaseException) -> dict | BaseException:
+def _merge(first: Chunk | BaseException, then: Chunk | BaseException) -> Chunk | BaseException:
     """Two queued chunks as one: tokens, text and logprobs joined, the later chunk's other fields (an
     error wins)."""
     if isinstance(first, BaseException) or isinstance(then, BaseException):
         return first if isinstance(first, BaseException) else then
     joined = {key: first[key] + then[key] for key in ("token_ids", "text", "logprobs", "prompt_logprobs")
               if key in first and key in then}
-    return {**first, **then, **joined}
+    return Chunk(**{**first, **then, **joined})
 
 
 def result_of(state: RequestState) -> GenerationResult:

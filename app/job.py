@@ -13,6 +13,7 @@ import secrets
 from dataclasses import dataclass, field
 from typing import Callable
 
+from app.chunks import Chunk, ResumeState, advance
 from app.errors import ContextLengthError, InvalidRequestError
 from app.grammar import grammar_of
 from app.params import MAX_SEED, MIN_SEED, SamplingParams, check_vocabulary, parse_sampling
@@ -57,12 +58,14 @@ class GenerationJob:
         seed = params.seed if params.seed is not None else secrets.randbits(62)
         return cls(request_id or secrets.token_hex(16), list(prompt_ids), params, seed, **fields)
 
-    def record(self, chunk: dict) -> None:
+    def record(self, chunk: Chunk) -> None:
         """Take in a streamed chunk: its tokens, its text and the controller state it carries."""
-        self.output_ids += chunk.get("token_ids", [])
-        self.streamed_chars += len(chunk.get("text", ""))
-        if chunk.get("controller") is not None:
-            self.controller = tuple(chunk["controller"])
+        advance(self, chunk)
+
+    def resume(self, state: ResumeState) -> None:
+        """Continue from where a stream stood (a failed-over ingress's report): its draws, what it sent."""
+        self.seed, self.output_ids, self.streamed_chars = state.seed, list(state.output_ids), state.streamed_chars
+        self.controller = tuple(state.controller) if state.controller is not None else None
 
     def state(self, tokenizer, max_context: int, eos_ids: frozenset[int] | None = None) -> RequestState:
         """The request's state on the replica that runs it now."""

@@ -9,6 +9,7 @@ from typing import Literal
 import jinja2
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from app.chunks import Chunk
 from app.errors import InvalidRequestError
 from app.params import (MAX_LOGIT_BIAS, MAX_SEED, MAX_STOP_CHARS, MAX_STOP_TOKEN_IDS, MAX_STOPS, MAX_TOKEN_ID,
                         MIN_REPETITION_PENALTY, MIN_SEED, MIN_TEMPERATURE, SamplingParams, SpeculationParams,
@@ -370,7 +371,7 @@ class ChoiceView:
         self.offset = len(self.echo or "") + streamed_chars
         self.echo = None
 
-    def render(self, chunk: dict) -> tuple[str, dict | None]:
+    def render(self, chunk: Chunk) -> tuple[str, dict | None]:
         """A chunk's text and logprobs (None when not asked for); the first chunk carries the echo."""
         text, ids, entries = chunk.get("text", ""), list(chunk.get("token_ids", ())), chunk.get("logprobs")
         if self.echo is not None:

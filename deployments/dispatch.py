@@ -24,6 +24,7 @@ from ray.exceptions import ActorUnavailableError, RayActorError
 from ray.serve.exceptions import DeploymentUnavailableError
 
 from app import telemetry
+from app.chunks import Chunk
 from app.job import GenerationJob
 from deployments.config import AppConfig
 from deployments.metrics import DispatchMetrics
@@ -68,7 +69,7 @@ class Dispatcher:
         self.active = 0
         self.metrics = DispatchMetrics()
 
-    async def generate(self, job: GenerationJob, trace: dict | None = None) -> AsyncIterator[dict]:
+    async def generate(self, job: GenerationJob, trace: dict | None = None) -> AsyncIterator[Chunk]:
         """Stream {token_ids, text, controller} per round, then {finish_reason, usage, speculation} (or {error}).
 
         `job`: the request, its seed chosen (and, when it continues a stream an ingress replica began,
@@ -96,7 +97,7 @@ class Dispatcher:
             if span is not None:
                 span.end()
 
-    async def _run(self, job: GenerationJob) -> AsyncIterator[dict]:
+    async def _run(self, job: GenerationJob) -> AsyncIterator[Chunk]:
         """The job's chunks from a target replica, resumed on another while replicas fail."""
         retries = self.cfg.limits.target_retries
         for attempt in range(retries + 1):
@@ -113,8 +114,8 @@ class Dispatcher:
                 log.warning("target replica failed mid-request (%s), attempt %d; resuming from %d streamed tokens",
                             type(e).__name__, attempt + 1, len(job.output_ids))
                 if attempt == retries:
-                    yield {"error": {"message": f"no target replica could serve the request: {e}",
-                                     "type": "service_unavailable", "code": 503}}
+                    yield Chunk(error={"message": f"no target replica could serve the request: {e}",
+                                       "type": "service_unavailable", "code": 503})
                     return
                 self.metrics.retry()
                 await self.sleep(min(0.5 * 2**attempt, 5.0))

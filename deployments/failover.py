@@ -26,10 +26,10 @@ import json
 import logging
 import os
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, conlist, field_validator
+from pydantic import BaseModel, Field, ValidationError
 
+from app.chunks import ResumeState
 from app.openai_protocol import MAX_CHOICES, error_body, sse_event
-from app.params import MAX_SEED, MAX_TOKEN_ID, MIN_SEED
 from deployments.config import LimitsConfig
 
 log = logging.getLogger("ray.serve")
@@ -48,40 +48,15 @@ BODY_IDLE_TIMEOUT_S = 15.0  # longest wait for the next piece of a body
 BODY_TIMEOUT_S = 60.0  # longest time to receive a whole body
 
 
-class ChoiceResume(BaseModel):
-    """Where one choice of a request stands: enough for another replica to continue it. Checked like
-    user input: anyone who reaches an ingress replica can send it."""
-
-    model_config = ConfigDict(allow_inf_nan=False)
-
-    seed: int = Field(ge=MIN_SEED, le=MAX_SEED, description="the choice's draw seed (its own, or the one the ingress chose)")
-    ids: list[int] = Field(default_factory=list, description="output token ids already streamed")
-    chars: int = Field(default=0, ge=0, le=MAX_TOKEN_ID, description="characters of output text already streamed")
-    ctl: conlist(float, min_length=3, max_length=3) | None = Field(
-        default=None, description="the K controller's state after the last streamed round")
-    done: bool = Field(default=False, description="whether the choice's final chunk was streamed")
-
-    @field_validator("ctl")
-    @classmethod
-    def _counts(cls, v):
-        if v is not None and not all(0 <= c <= MAX_TOKEN_ID for c in v):
-            raise ValueError(f"controller counts must be in [0, {MAX_TOKEN_ID}]")
-        return v
-
-
 class Resume(BaseModel):
     """A streamed request's state, as the middleware sends it in RESUME_HEADER."""
 
     rid: str = Field(max_length=128, description="the response id the client has seen")
-    choices: list[ChoiceResume] = Field(max_length=MAX_CHOICES, description="each choice's state, in the response's order")
+    choices: list[ResumeState] = Field(max_length=MAX_CHOICES, description="each choice's state, in the response's order")
 
     def apply(self, step: dict) -> None:
-        """Take in one event's report: {i, ids, chars, ctl, done} of choice i."""
-        c = self.choices[step["i"]]
-        c.ids += step["ids"]
-        c.chars += step["chars"]
-        c.ctl = step["ctl"] if step.get("ctl") is not None else c.ctl
-        c.done = c.done or step["done"]
+        """Take in one event's report: choice `i`'s chunk (its tokens, text, controller state, finish)."""
+        self.choices[step["i"]].record(step)
 
 
 def marker(report: dict) -> str:
@@ -181,7 +156,7 @@ class Attempt:
     def _report(self, report: dict) -> None:
         if "rid" in report:  # the stream's head: its id and each choice's seed (kept from the first attempt)
             if self.state is None:
-                self.state = Resume(rid=report["rid"], choices=[ChoiceResume(seed=s) for s in report["seeds"]])
+                self.state = Resume(rid=report["rid"], choices=[ResumeState(seed=s) for s in report["seeds"]])
         elif self.state is not None:
             self.state.apply(report)
 

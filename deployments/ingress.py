@@ -26,11 +26,12 @@ from app.grammar import Grammars
 from app.openai_protocol import (MAX_CHOICES, ChatCompletionRequest, ChoiceView, CompletionRequest,
                                  chat_prompt_ids, choice_body, choice_seed, combined_speculation, completion_body,
                                  default_max_tokens, join_logprobs, load_json, new_id, normalise_body, usage_body)
+from app.chunks import Chunk, ResumeState
 from app.job import GenerationJob
 from app.params import SamplingParams, SpeculationParams
 from deployments.config import AppConfig
 from deployments.dispatch import Dispatcher
-from deployments.failover import GUARD_HEADER, RESUME_HEADER, ChoiceResume, read_resume
+from deployments.failover import GUARD_HEADER, RESUME_HEADER, read_resume
 from deployments.http_api import APIError, api, invalid, narrow_schema
 from deployments.metrics import VLLMSpecDecodeCounters
 from deployments.streams import all_or_stop, next_chunk, sse_events, stop_streams
@@ -190,13 +191,12 @@ class Ingress:
             self.prepare, self._prepare, body, chat, salt, resume_header)
         if resume:  # each choice continues from what it streamed, with the draws it began with
             for job, c in zip(jobs, resume.choices):
-                job.seed, job.output_ids, job.streamed_chars = c.seed, list(c.ids), c.chars
-                job.controller = tuple(c.ctl) if c.ctl is not None else None
-        starts = resume.choices if resume else [ChoiceResume(seed=job.seed) for job in jobs]
+                job.resume(c)
+        starts = resume.choices if resume else [ResumeState(seed=job.seed) for job in jobs]
         rid = resume.rid if resume else new_id("chatcmpl" if chat else "cmpl")
         live = [i for i, c in enumerate(starts) if not c.done]
         for i in live if resume else ():
-            views[i].resume(starts[i].chars)
+            views[i].resume(starts[i].streamed_chars)
         # a prompt's n choices go to one target replica, which prefills their prompt once (app/engine.py)
         for i, job in enumerate(jobs):
             job.group = f"{rid}/{i // body.n}" if body.n > 1 else None
@@ -265,7 +265,7 @@ class Ingress:
                            f"{len(resume.choices)} choices", "invalid_request_error")
         vocab = len(self.tokenizer)  # the header's own check, before its ids are used here
         for c, job in zip(resume.choices, jobs):
-            if len(c.ids) > job.params.max_tokens or any(not 0 <= t < vocab for t in c.ids):
+            if len(c.output_ids) > job.params.max_tokens or any(not 0 <= t < vocab for t in c.output_ids):
                 raise APIError(400, f"{name} holds more than max_tokens tokens or ids outside [0, {vocab})",
                                "invalid_request_error")
         return resume
@@ -288,7 +288,7 @@ class Ingress:
             raise APIError(400, str(e), "invalid_request_error", e.param) from None
         return sampling
 
-    async def _rest(self, stream, first: dict, view: ChoiceView, deadline: float) -> tuple[str, dict, dict | None]:
+    async def _rest(self, stream, first: Chunk, view: ChoiceView, deadline: float) -> tuple[str, Chunk, dict | None]:
         """A generation's whole text, its last chunk (finish_reason, usage, speculation) and its logprobs."""
         last, texts, logprobs = first, [], []
         while True:
@@ -302,5 +302,5 @@ class Ingress:
         self.spec_counters.count(last["speculation"])
         return "".join(texts), last, join_logprobs(logprobs)
 
-    async def _next(self, stream, deadline: float) -> dict:
+    async def _next(self, stream, deadline: float) -> Chunk:
         return await next_chunk(stream, deadline, self.cfg.limits.request_timeout_s)

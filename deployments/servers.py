@@ -19,6 +19,7 @@ from app.driver import DraftPolicy
 from app.engine import Engine
 from app.scheduler import ForwardQueue, in_thread
 from app.loading import load_runner
+from app.chunks import Chunk
 from app.job import GenerationJob
 from app.runner import eos_ids, load_generation_config
 from app.spec import Proposal, propose, verify, verify_tokens
@@ -193,7 +194,7 @@ class TargetServer(_Server):
         # linearly; one more draft token per sequence adds B tokens, i.e. B / saturation of a step
         return self.batch_ema / self.speculation.verify_saturation_tokens
 
-    async def generate(self, job: GenerationJob) -> AsyncIterator[dict]:
+    async def generate(self, job: GenerationJob) -> AsyncIterator[Chunk]:
         """Run (or resume) one request: its rounds' chunks, then the summary (app.engine.Engine.run_job)."""
         span = telemetry.start_span("TargetServer.generate", job.trace, {"specserve.replica": self.replica_id})
         try:

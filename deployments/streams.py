@@ -9,11 +9,13 @@ from collections.abc import Callable
 from ray.serve.exceptions import BackPressureError
 
 from app.errors import InvalidRequestError
+from app.chunks import Chunk, ResumeState
 from app.openai_protocol import ChoiceView, combined_speculation, completion_body, error_body, sse_event, usage_body
-from deployments.failover import ChoiceResume, marker
+from deployments.failover import marker
 from deployments.http_api import APIError
 
 log = logging.getLogger("ray.serve")
+RESUME_FIELDS = ("token_ids", "text", "controller", "finish_reason")  # what a state report carries of a chunk
 
 
 async def close_stream(stream) -> None:
@@ -43,7 +45,7 @@ async def all_or_stop(coros: list, streams: list) -> list:
         raise
 
 
-async def next_chunk(stream, deadline: float, timeout_s: float) -> dict:
+async def next_chunk(stream, deadline: float, timeout_s: float) -> Chunk:
     """The generation's next chunk, within the request's deadline (past it the generation is stopped)."""
     timeout = deadline - asyncio.get_running_loop().time()
     try:
@@ -66,10 +68,10 @@ async def next_chunk(stream, deadline: float, timeout_s: float) -> dict:
         raise APIError(500, f"internal error: {type(e).__name__}", "internal_error", code=500) from None
 
 
-async def sse_events(rid: str, model_name: str, live: list[int], firsts: list[dict], streams: list,
+async def sse_events(rid: str, model_name: str, live: list[int], firsts: list[Chunk], streams: list,
                      views: list[ChoiceView], deadline: float, timeout_s: float, chat: bool, include_usage: bool,
                      prompt_tokens: int, continuous: bool, count: Callable[[dict], None], span=None,
-                     starts: list[ChoiceResume] | None = None):
+                     starts: list[ResumeState] | None = None):
     """The generations as one stream of server-sent events, each chunk naming its choice's index;
     with `continuous`, every chunk carries the usage so far. `live`: the choices generated here
     (a resumed stream's finished ones are not), in the order of `streams`. With `starts`, each
@@ -78,7 +80,7 @@ async def sse_events(rid: str, model_name: str, live: list[int], firsts: list[di
     queue: asyncio.Queue = asyncio.Queue()
     loop = asyncio.get_running_loop()
 
-    async def pump(index: int, stream, chunk: dict) -> None:
+    async def pump(index: int, stream, chunk: Chunk) -> None:
         while True:
             await queue.put((index, chunk))
             if chunk.get("error") or "finish_reason" in chunk:
@@ -92,9 +94,9 @@ async def sse_events(rid: str, model_name: str, live: list[int], firsts: list[di
                 chunk = error_body(f"internal error: {type(e).__name__}", "internal_error", code=500)
 
     pumps = [asyncio.ensure_future(pump(i, s, f)) for i, s, f in zip(live, streams, firsts)]
-    everyone = starts or [ChoiceResume(seed=0) for _ in views]
-    completion = [len(c.ids) for c in everyone]
-    finals = {i: {"usage": {"completion_tokens": len(c.ids)}, "speculation": None}
+    everyone = starts or [ResumeState(seed=0) for _ in views]
+    completion = [len(c.output_ids) for c in everyone]
+    finals = {i: {"usage": {"completion_tokens": len(c.output_ids)}, "speculation": None}
               for i, c in enumerate(everyone) if i not in live}
     if starts is not None:
         yield marker({"rid": rid, "seeds": [c.seed for c in starts]})
@@ -119,8 +121,8 @@ async def sse_events(rid: str, model_name: str, live: list[int], firsts: list[di
                 event = sse_event(completion_body(rid, model_name, text, finish, usage, spec,
                                                   chat, delta=True, index=index, logprobs=logprobs))
             if starts is not None:  # one message: the client's event and its state arrive together or not at all
-                event += marker({"i": index, "ids": chunk.get("token_ids", []), "chars": len(chunk.get("text", "")),
-                                 "ctl": chunk.get("controller"), "done": bool(finish)})
+                # the chunk's resume fields, as the job records them (app/chunks.py, ResumeState.record)
+                event += marker({"i": index, **{k: chunk[k] for k in RESUME_FIELDS if k in chunk}})
             if event:
                 yield event
             if finish:

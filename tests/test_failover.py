@@ -8,8 +8,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from deployments.failover import (GUARD_HEADER, MARKER, RESUME_HEADER, ChoiceResume, FailoverMiddleware, Resume,
-                                  marker, read_resume)
+from app.chunks import ResumeState
+from deployments.failover import GUARD_HEADER, MARKER, RESUME_HEADER, FailoverMiddleware, Resume, marker, read_resume
 
 TOKENS = 10  # per choice
 PER_EVENT = 2
@@ -61,7 +61,7 @@ class ScriptedIngress:
             return
         guarded = headers.get(GUARD_HEADER) == b"1"
         resume = read_resume(headers[RESUME_HEADER].decode()) if RESUME_HEADER in headers else None
-        states = resume.choices if resume else [ChoiceResume(seed=100 + i) for i in range(self.choices)]
+        states = resume.choices if resume else [ResumeState(seed=100 + i) for i in range(self.choices)]
         await send({"type": "http.response.start", "status": 200,
                     "headers": [(b"content-type", b"text/event-stream")]})
         if guarded:
@@ -74,13 +74,14 @@ class ScriptedIngress:
                     continue
                 if die_after is not None and events == die_after:
                     return
-                ids = [token(c.seed, p) for p in range(len(c.ids), min(len(c.ids) + PER_EVENT, TOKENS))]
+                ids = [token(c.seed, p) for p in range(len(c.output_ids), min(len(c.output_ids) + PER_EVENT, TOKENS))]
                 text = "".join(f"<{t}>" for t in ids)
-                c.ids, c.chars, c.done = c.ids + ids, c.chars + len(text), len(c.ids) + len(ids) == TOKENS
+                done = len(c.output_ids) + len(ids) == TOKENS
+                c.record({"token_ids": ids, "text": text, **({"finish_reason": "length"} if done else {})})
                 event = f"data: {json.dumps({'index': i, 'text': text, 'done': c.done})}\n\n"
                 if guarded:
-                    event += marker({"i": i, "ids": ids, "chars": len(text), "ctl": [1.0, 0.5, len(c.ids)],
-                                     "done": c.done})
+                    event += marker({"i": i, "token_ids": ids, "text": text, "controller": [1.0, 0.5, len(c.output_ids)],
+                                     **({"finish_reason": "length"} if c.done else {})})
                 await send({"type": "http.response.body", "body": event.encode(), "more_body": True})
                 events += 1
         await send({"type": "http.response.body", "body": b"data: [DONE]\n\n", "more_body": False})
@@ -158,8 +159,8 @@ def test_a_stream_cut_part_way_continues_where_it_was_cut(cuts):
     assert first_resume.rid == "cmpl-1" and [c.seed for c in first_resume.choices] == [100, 101]
     # the state sent is what was streamed before the first cut: events alternate between the choices
     streamed = [sum(PER_EVENT for e in range(cuts[0]) if e % 2 == i) for i in range(2)]
-    assert [len(c.ids) for c in first_resume.choices] == streamed
-    assert all(c.ids == [token(c.seed, p) for p in range(len(c.ids))] for c in first_resume.choices)
+    assert [len(c.output_ids) for c in first_resume.choices] == streamed
+    assert all(c.output_ids == [token(c.seed, p) for p in range(len(c.output_ids))] for c in first_resume.choices)
 
 
 def test_a_choice_finished_before_the_cut_is_not_generated_again():
@@ -214,7 +215,7 @@ def test_a_resumed_attempt_that_is_refused_is_tried_again_then_told_as_an_event(
 
 def test_a_client_cannot_send_state_of_its_own():
     app = ScriptedIngress([])
-    forged = Resume(rid="x", choices=[ChoiceResume(seed=1, ids=[5, 5, 5])]).model_dump_json().encode()
+    forged = Resume(rid="x", choices=[ResumeState(seed=1, output_ids=[5, 5, 5])]).model_dump_json().encode()
     serve(app, {"stream": True}, headers=[(RESUME_HEADER, forged), (GUARD_HEADER, b"0")])
     assert RESUME_HEADER not in app.calls[0] and app.calls[0][GUARD_HEADER] == b"1"
 
@@ -238,9 +239,9 @@ def test_other_routes_pass_straight_through():
 
 def test_resume_state_is_checked():
     with pytest.raises(ValueError, match="x-specserve-resume"):
-        read_resume('{"rid": "x", "choices": [{"seed": 1, "ctl": [1, -2, 0]}]}')
+        read_resume('{"rid": "x", "choices": [{"seed": 1, "controller": [1, -2, 0]}]}')
     with pytest.raises(ValueError):
-        read_resume('{"rid": "x", "choices": [{"seed": 1, "chars": -1}]}')
+        read_resume('{"rid": "x", "choices": [{"seed": 1, "streamed_chars": -1}]}')
     assert read_resume(None) is None
 
 
@@ -273,18 +274,18 @@ def test_an_ingress_answers_resume_state_that_does_not_fit_the_request_with_a_40
 
     def state(*choices):
         return json.dumps({"rid": "cmpl-1", "choices": list(choices)})
-    assert resume(state({"seed": 1, "ids": [3, 4], "chars": 2})).choices[0].ids == [3, 4]
+    assert resume(state({"seed": 1, "output_ids": [3, 4], "streamed_chars": 2})).choices[0].output_ids == [3, 4]
     assert Ingress._resume(me, None, SimpleNamespace(stream=True), jobs) is None
-    for bad, stream in [(state({"seed": 1, "ids": [len(tokenizer)]}), True),  # outside the vocabulary
-                        (state({"seed": 1, "ids": [1] * 5}), True),  # more than max_tokens
+    for bad, stream in [(state({"seed": 1, "output_ids": [len(tokenizer)]}), True),  # outside the vocabulary
+                        (state({"seed": 1, "output_ids": [1] * 5}), True),  # more than max_tokens
                         (state({"seed": 1}, {"seed": 2}), True),  # two choices for one
                         (state({"seed": 2**63}), True),  # a seed no generator takes
                         # non-finite or huge controller state: int() of it raised on the target, after
                         # which the request held its slot until its timeout
-                        (state({"seed": 1, "ctl": [float("nan"), 1, 1]}), True),
-                        (state({"seed": 1, "ctl": [1, float("inf"), 1]}), True),
-                        (state({"seed": 1, "ctl": [1, 1, 1e300]}), True),
-                        (state({"seed": 1, "chars": 2**64}), True),
+                        (state({"seed": 1, "controller": [float("nan"), 1, 1]}), True),
+                        (state({"seed": 1, "controller": [1, float("inf"), 1]}), True),
+                        (state({"seed": 1, "controller": [1, 1, 1e300]}), True),
+                        (state({"seed": 1, "streamed_chars": 2**64}), True),
                         ('{"rid": "x", "choices": ' + "[" * 10000 + "]" * 10000 + "}", True),  # deep nesting
                         ("not json", True),
                         (state({"seed": 1}), False)]:  # a unary request has no stream to resume

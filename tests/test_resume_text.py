@@ -1,7 +1,7 @@
 """A request resumed on another replica streams exactly the text of the uncut stream (issue 24).
 
 The failover resumes from what the client was sent: the output ids and the characters of text streamed
-(deployments/failover.py ChoiceResume: ids, chars). Ids may end with a token holding only the first
+(app/chunks.py ResumeState: output_ids, streamed_chars). Ids may end with a token holding only the first
 bytes of a character, or with text held back as a possible stop string: the resumed state must pick
 both up as the uncut stream would.
 """
