@@ -105,7 +105,7 @@ class Engine:
                  k_max: int = 8, draft_top_n: int = 32, policy: DraftPolicy | None = None,
                  verify_cost: Callable[[], float] = lambda: 0.0, prefill_chunk: int | None = 512,
                  max_batch_tokens: int | None = MAX_BATCH_TOKENS, eos_ids: frozenset[int] | None = None,
-                 kv_capacity: int | None = None, goodput_gate: bool = False):
+                 kv_capacity: int | None = None, goodput_gate: bool = False, grammars: Grammars | None = None):
         """goodput_gate: measure whether speculating emits more tokens per second than plain steps at
         the current load, and take plain steps where it does not (app/controller.py, GoodputGate)."""
         # the local runners, when in process (benchmarks read their models); None when remote
@@ -130,7 +130,9 @@ class Engine:
         if kv_capacity is not None and (max_context is None or kv_capacity < max_context):
             self.max_context, self.context_limit = kv_capacity, "the target's KV cache budget"
         self.eos_ids = eos_ids  # None: the tokenizer's
-        self.grammars = Grammars(tokenizer, vocab_size)  # to check requests' grammars (masks are the runners')
+        # to check requests' grammars: the target runner's own where it is in this process (it masks with
+        # them); a tensor-parallel replica's ranks hold theirs elsewhere, so it gets one of its own
+        self.grammars = grammars or (self.target.grammars if self.target is not None else Grammars(tokenizer, vocab_size))
         self.k_max = k_max
         self.limits = Limits(vocab_size, self.max_context, k_max, self.context_limit, self.grammars.check)
         self.policy = policy or DraftPolicy()

@@ -174,7 +174,8 @@ class TargetServer(_Server):
                              tokenizer=tokenizer, vocab_size=vocab, max_context=max_context,
                              k_max=speculation.k_max, policy=policy, verify_cost=self._verify_cost,
                              prefill_chunk=batch.prefill_chunk_tokens, eos_ids=eos, kv_capacity=kv_capacity,
-                             goodput_gate=speculation.goodput_gate)
+                             goodput_gate=speculation.goodput_gate,
+                             grammars=self.runner.grammars if self.runner is not None else None)
 
     @staticmethod
     async def _connect(draft) -> None:
