@@ -24,10 +24,8 @@ benchmark (ExactnessError). Hugging Face modes are compared too, and their diffe
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
-from pathlib import Path
 
 import torch
 from tqdm.auto import tqdm
@@ -35,7 +33,8 @@ from tqdm.auto import tqdm
 from app.controller import CostEstimator, expected_speedup
 from app.engine import Engine
 from tools.bench_runs import MODES, Mode, PromptRun, measure_costs, measure_syncs, run_one
-from tools.figures import WARMUP_TOKENS, ExactnessError, differences, fmt, latency_summary, load_prompts
+from tools.figures import (WARMUP_TOKENS, ExactnessError, differences, fmt, latency_summary, load_prompts,
+                           write_outputs)
 
 
 # --- summarising ---------------------------------------------------------------------------
@@ -295,9 +294,5 @@ def bench_cli(args) -> int:
     print(f"host syncs per round (a batch of {syncs['batch']}, K = {syncs['k']} and the guess): " + "; ".join(
         f"{name}: draft propose {syncs[name]['propose']}, target verify {syncs[name]['verify']}"
         for name in ("greedy", "sampled")))
-    if args.json:
-        Path(args.json).write_text(json.dumps(report, indent=2))
-    if args.plot:
-        plot(report, args.plot)
-        print(f"plot: {args.plot}")
+    write_outputs(report, args.json, args.plot, plot)
     return 0

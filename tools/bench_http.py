@@ -30,12 +30,12 @@ import re
 import sys
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import httpx
 from tqdm.auto import tqdm
 
-from tools.figures import WARMUP_TOKENS, ExactnessError, Timed, differences, fmt, latency_summary, load_prompts
+from tools.figures import (WARMUP_TOKENS, ExactnessError, Timed, differences, fmt, latency_summary, load_prompts,
+                           write_outputs)
 
 DEFAULT_MODES = ("target", "spec-auto")
 DEFAULT_CONCURRENCY = (1, 4, 16)
@@ -381,16 +381,11 @@ def url_cli(args) -> int:
         return 2
     prompts, names = load_prompts(args.prompts, args.num_prompts)
     try:
-        report = asyncio.run(run_sweep(args.url.rstrip("/"), prompts, names, modes, levels,
-                                                  args.max_tokens, not args.no_progress, args.request_timeout,
-                                                  args.peer))
+        report = asyncio.run(run_sweep(args.url.rstrip("/"), prompts, names, modes, levels, args.max_tokens,
+                                       not args.no_progress, args.request_timeout, args.peer))
     except (ExactnessError, *FAILURES) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
     print(format_table(report))
-    if args.json:
-        Path(args.json).write_text(json.dumps(report, indent=2))
-    if args.plot:
-        plot(report, args.plot)
-        print(f"plot: {args.plot}")
+    write_outputs(report, args.json, args.plot, plot)
     return 0

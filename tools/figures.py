@@ -92,3 +92,12 @@ def load_prompts(path: str | None, num: int | None) -> tuple[list[str], list[str
     if not items:
         raise ValueError(f"no prompts in {path or 'the held-out set'}")
     return [p for p, _ in items], [n for _, n in items]
+
+
+def write_outputs(report: dict, json_path: str | None, plot_path: str | None, plot) -> None:
+    """A benchmark's report as JSON at `json_path` and its plot at `plot_path` (each where given)."""
+    if json_path:
+        Path(json_path).write_text(json.dumps(report, indent=2))
+    if plot_path:
+        plot(report, plot_path)
+        print(f"plot: {plot_path}")
