@@ -55,6 +55,8 @@ def narrow_schema(model_name: str, max_tokens_cap: int) -> None:
             if name in fields:
                 fields[name] = {**fields[name], "anyOf": [{"type": "integer", "minimum": 1, "maximum": max_tokens_cap},
                                                           {"type": "null"}]}
+
+
 ERROR_SCHEMA = {"type": "object", "required": ["error"], "properties": {"error": {
     "type": "object", "required": ["message", "type", "param", "code"],
     "properties": {"message": {"type": "string"}, "type": {"type": "string"}, "param": {"type": ["string", "null"]},
