@@ -32,15 +32,21 @@ from app.kv import common_prefix
 
 
 def grammar_of(response_format: dict | None) -> str | None:
-    """The llguidance grammar of an OpenAI response_format (None: free text)."""
+    """The llguidance grammar of a response_format (None: free text): OpenAI's JSON ones, and vLLM's
+    structured outputs (a regex, a choice of strings, a Lark grammar; app/structured.py)."""
     if not response_format or response_format["type"] == "text":
         return None
     import llguidance
 
-    if response_format["type"] == "json_object":
-        schema = {"type": "object"}
-    else:
-        schema = response_format["json_schema"]["schema"]
+    kind = response_format["type"]
+    if kind == "regex":
+        return llguidance.LLMatcher.grammar_from_regex(response_format["regex"])
+    if kind == "choice":  # one alternative per string, each a Lark string literal (JSON's escapes)
+        return llguidance.LLMatcher.grammar_from_lark(
+            "start: " + " | ".join(json.dumps(s) for s in response_format["choice"]))
+    if kind == "grammar":
+        return llguidance.LLMatcher.grammar_from_lark(response_format["grammar"])
+    schema = {"type": "object"} if kind == "json_object" else response_format["json_schema"]["schema"]
     return llguidance.LLMatcher.grammar_from_json_schema(json.dumps(schema), defaults=JSON_LAYOUT)
 
 

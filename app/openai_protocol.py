@@ -1,19 +1,19 @@
-"""OpenAI-compatible request and response bodies (completions and chat), plus the error body."""
+"""OpenAI-compatible request bodies (completions and chat), the chat template, and the error body;
+the response bodies are built in app/openai_responses.py."""
 
 import json
 import re
-import time
 import uuid
 from typing import Literal
 
 import jinja2
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from app.chunks import Chunk
 from app.errors import InvalidRequestError
 from app.params import (MAX_LOGIT_BIAS, MAX_SEED, MAX_STOP_CHARS, MAX_STOP_TOKEN_IDS, MAX_STOPS, MAX_TOKEN_ID,
                         MIN_REPETITION_PENALTY, MIN_SEED, MIN_TEMPERATURE, SamplingParams, SpeculationParams,
                         TokenId)
+from app.structured import GUIDED, MAX_CHOICE_STRINGS, MAX_PATTERN_CHARS, StructuredOutputs, constraint
 
 MAX_CHOICES = 64  # generations one request may ask for: prompts x n
 MAX_JSON_DEPTH = 64  # nesting of a request body (a JSON schema of 30 nested objects fits)
@@ -123,6 +123,13 @@ class _Common(BaseModel):
     response_format: dict | None = Field(None, description='{"type": "json_object"} or {"type": "json_schema", '
                                                            '"json_schema": {"name": ..., "schema": {...}}}: the '
                                                            'output follows it.')
+    structured_outputs: StructuredOutputs | None = Field(
+        None, description="Extension (vLLM's): a JSON schema, a regex, a choice of strings or a Lark grammar the "
+                          "output follows; at most one constraint per request (app/structured.py).")
+    guided_json: dict | str | None = Field(None, description="Extension (vLLM's older name): structured_outputs.json.")
+    guided_regex: str | None = Field(None, max_length=MAX_PATTERN_CHARS, description="structured_outputs.regex.")
+    guided_choice: list[str] | None = Field(None, max_length=MAX_CHOICE_STRINGS, description="structured_outputs.choice.")
+    guided_grammar: str | None = Field(None, max_length=MAX_PATTERN_CHARS, description="structured_outputs.grammar.")
     logprobs_mode: Literal["raw", "processed"] = Field(
         "raw", description="Extension: logprobs of the model's distribution (raw) or of the processed one "
                            "tokens are sampled from.")
@@ -166,7 +173,9 @@ class _Common(BaseModel):
                               min_p=self.min_p, min_tokens=self.min_tokens,
                               logit_bias={int(k): b for k, b in self.logit_bias.items()},
                               logprobs=self.top_logprobs_wanted(), logprobs_mode=self.logprobs_mode,
-                              prompt_logprobs=self.prompt_logprobs_wanted(), response_format=self.response_format,
+                              prompt_logprobs=self.prompt_logprobs_wanted(),
+                              response_format=constraint(self.response_format, self.structured_outputs,
+                                                         {name: getattr(self, name) for name in GUIDED}),
                               speculation=self.speculation or default_spec)
 
 
@@ -229,19 +238,25 @@ class ChatMessage(BaseModel):
         return {"role": self.role, "content": text}
 
 
-def chat_prompt_ids(tokenizer, messages: list[ChatMessage]) -> list[int]:
-    """The conversation through the tokenizer's chat template, as token ids.
+def chat_prompt_ids(tokenizer, messages: list[ChatMessage], add_generation_prompt: bool = True,
+                    continue_final_message: bool = False, add_special_tokens: bool = False) -> list[int]:
+    """The conversation through the tokenizer's chat template, as token ids (ending with the
+    assistant's turn opened, or with the last message left open to be continued; with the
+    tokenizer's special tokens on top of what the template writes, when asked).
 
     A template that refuses the conversation (Gemma's "System role not supported", Mistral's strict
     user/assistant alternation) raises from inside the template: that is the request's fault, a 400
     naming the template's reason, never a 500.
     """
     try:
-        ids = tokenizer.apply_chat_template([m.for_template() for m in messages], add_generation_prompt=True,
-                                            tokenize=True)
+        out = tokenizer.apply_chat_template([m.for_template() for m in messages], tokenize=not add_special_tokens,
+                                            add_generation_prompt=add_generation_prompt,
+                                            continue_final_message=continue_final_message)
     except (jinja2.TemplateError, ValueError, TypeError) as e:
         raise InvalidRequestError(f"the model's chat template rejects these messages: {e}", param="messages") from None
-    return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
+    if add_special_tokens:
+        return list(tokenizer(out, add_special_tokens=True)["input_ids"])
+    return list(out["input_ids"] if isinstance(out, dict) or hasattr(out, "keys") else out)
 
 
 class ChatCompletionRequest(_Common):
@@ -291,124 +306,3 @@ def choice_seed(seed: int, j: int) -> int:
     x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & mask
     x ^= x >> 31
     return x - (1 << 64) if x >= 1 << 63 else x
-
-
-def combined_speculation(stats: list[dict]) -> dict:
-    """One `speculation` object for several choices: counts summed, rates and per-round figures
-    weighted by each choice's rounds."""
-    if len(stats) == 1:
-        return stats[0]
-    rounds = sum(s["rounds"] for s in stats)
-    drafted, accepted = sum(s["drafted_tokens"] for s in stats), sum(s["accepted_tokens"] for s in stats)
-
-    def per_round(get) -> float:
-        return sum(get(s) * s["rounds"] for s in stats) / rounds if rounds else 0.0
-    per_position = [0] * max(len(s["accepted_per_position"]) for s in stats)
-    for s in stats:
-        for j, n in enumerate(s["accepted_per_position"]):
-            per_position[j] += n
-    return {
-        "drafted_tokens": drafted, "accepted_tokens": accepted, "rounds": rounds,
-        "drafted_rounds": sum(s["drafted_rounds"] for s in stats), "accepted_per_position": per_position,
-        "acceptance_rate": accepted / drafted if drafted else 0.0,
-        "mean_accepted_length": per_round(lambda s: s["mean_accepted_length"]),
-        "fallback_rounds": sum(s["fallback_rounds"] for s in stats),
-        "max_target_batch_size": max(s["max_target_batch_size"] for s in stats),
-        "draft_ahead_hit_rate": per_round(lambda s: s["draft_ahead_hit_rate"]),
-        "timing_ms": {k: round(per_round(lambda s: s["timing_ms"][k]), 3) for k in stats[0]["timing_ms"]},
-    }
-
-
-def usage_body(prompt_tokens: int, completion_tokens: int) -> dict:
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
-
-
-def choice_body(index: int, text: str, finish: str | None, chat: bool, delta: bool,
-                logprobs: dict | None = None) -> dict:
-    if chat:
-        return {"index": index, ("delta" if delta else "message"): {"role": "assistant", "content": text},
-                "finish_reason": finish, "logprobs": logprobs}
-    return {"index": index, "text": text, "finish_reason": finish, "logprobs": logprobs}
-
-
-def completion_body(rid: str, model: str, text: str | list[dict], finish: str | None, usage: dict | None,
-                    speculation: dict | None, chat: bool, delta: bool, index: int = 0,
-                    logprobs: dict | None = None) -> dict:
-    """A completion (or one streamed chunk of it), text or chat flavour: one choice (`text`,
-    `finish`, `index`, `logprobs`), or the given list of choice_body()s."""
-    choices = text if isinstance(text, list) else [choice_body(index, text, finish, chat, delta, logprobs)]
-    obj = ("chat.completion.chunk" if delta else "chat.completion") if chat else "text_completion"
-    body = {"id": rid, "object": obj, "created": int(time.time()), "model": model, "choices": choices}
-    if usage is not None:
-        body["usage"] = usage
-    if speculation is not None:
-        body["speculation"] = speculation
-    return body
-
-
-def sse_event(body: dict) -> str:
-    """One server-sent event carrying a JSON body."""
-    return f"data: {json.dumps(body)}\n\n"
-
-
-class ChoiceView:
-    """One choice's generation chunks as OpenAI's body reads them: the text, with the prompt before it
-    when echoed, and the logprobs object when asked for (completions': tokens, token_logprobs,
-    top_logprobs, text_offset; chat's: content, a list of tokens with their alternatives)."""
-
-    def __init__(self, tokenizer, chat: bool, logprobs: bool, echo: str | None = None,
-                 prompt_ids: list[int] | None = None, token_bytes=None):
-        """token_bytes(id): a token's own bytes (a piece of a multi-byte character is not valid UTF-8
-        alone); by default its text's."""
-        self.tokenizer, self.chat, self.logprobs = tokenizer, chat, logprobs
-        self.token_bytes = token_bytes or (lambda t: self._piece(t).encode())
-        self.echo, self.prompt_ids = echo, prompt_ids or []
-        self.offset = 0  # characters of this choice's text so far: the next token's text_offset
-
-    def resume(self, streamed_chars: int) -> None:
-        """Continue a choice whose echo and first `streamed_chars` characters of output were streamed already."""
-        self.offset = len(self.echo or "") + streamed_chars
-        self.echo = None
-
-    def render(self, chunk: Chunk) -> tuple[str, dict | None]:
-        """A chunk's text and logprobs (None when not asked for); the first chunk carries the echo."""
-        text, ids, entries = chunk.get("text", ""), list(chunk.get("token_ids", ())), chunk.get("logprobs")
-        if self.echo is not None:
-            text, self.echo = self.echo + text, None
-            if self.logprobs:  # the prompt's tokens first: the first has nothing before it to score it
-                ids = self.prompt_ids + ids
-                entries = [None] + list(chunk.get("prompt_logprobs") or []) + list(entries or [])
-        if not self.logprobs:
-            return text, None
-        body = self._chat(ids, entries or []) if self.chat else self._completion(ids, entries or [])
-        self.offset += len(text)
-        return text, body
-
-    def _piece(self, token: int) -> str:
-        return self.tokenizer.decode([token], skip_special_tokens=False, clean_up_tokenization_spaces=False)
-
-    def _completion(self, ids: list[int], entries: list) -> dict:
-        pieces = [self._piece(t) for t in ids]
-        offsets, at = [], self.offset
-        for t in ids:  # where each token's text starts in the choice's text (special tokens have none)
-            offsets.append(at)
-            at += len(self.tokenizer.decode([t], skip_special_tokens=True, clean_up_tokenization_spaces=False))
-        return {"tokens": pieces, "token_logprobs": [e[0] if e else None for e in entries],
-                "top_logprobs": [{self._piece(i): lp for i, lp in e[1]} if e else None for e in entries],
-                "text_offset": offsets}
-
-    def _chat(self, ids: list[int], entries: list) -> dict:
-        def token(t: int, lp: float) -> dict:
-            piece = self._piece(t)
-            return {"token": piece, "logprob": lp, "bytes": list(self.token_bytes(t))}
-        return {"content": [{**token(t, e[0]), "top_logprobs": [token(i, lp) for i, lp in e[1]]}
-                            for t, e in zip(ids, entries)]}
-
-
-def join_logprobs(parts: list[dict | None]) -> dict | None:
-    """Several chunks' logprobs objects (one choice's, in order) as one."""
-    parts = [p for p in parts if p is not None]
-    if not parts:
-        return None
-    return {key: [x for p in parts for x in p[key]] for key in parts[0]}

@@ -93,7 +93,8 @@ class SamplingParams(BaseModel):
                                                     "with this many alternatives.")
     response_format: dict | None = Field(
         None, description='OpenAI\'s response_format: {"type": "json_object"} or {"type": "json_schema", '
-                          '"json_schema": {"name": ..., "schema": {...}}}; output then follows it (app/grammar.py).')
+                          '"json_schema": {"name": ..., "schema": {...}}}, or vLLM\'s structured outputs as {"type": '
+                          '"regex" | "choice" | "grammar", <type>: ...}; output then follows it (app/grammar.py).')
     speculation: SpeculationParams = Field(default_factory=SpeculationParams, description="Speculation control.")
     cache_salt: str | None = Field(None, max_length=256, description="Prefix-cache scope: a sequence reuses only KV cached under the same salt (None: shared).")
 
@@ -111,7 +112,16 @@ class SamplingParams(BaseModel):
             if not isinstance(schema, dict):
                 raise ValueError("json_schema.schema must be a JSON schema (an object)")
             return {"type": "json_schema", "json_schema": {"name": spec.get("name", "schema"), "schema": schema}}
-        raise ValueError("response_format.type must be text, json_object or json_schema")
+        # vLLM's structured outputs (app/structured.py): a regex, a choice of strings, a Lark grammar
+        if kind in ("regex", "grammar") and isinstance(text := v.get(kind), str) and 0 < len(text) <= 1 << 16:
+            return {"type": kind, kind: text}
+        if kind == "choice" and isinstance(c := v.get("choice"), list) and 0 < len(c) <= 1024 and all(
+                isinstance(s, str) and 0 < len(s) <= 1024 for s in c):
+            return {"type": "choice", "choice": list(c)}
+        if kind in ("regex", "grammar", "choice"):
+            what = "list of strings" if kind == "choice" else "string"
+            raise ValueError(f"response_format {kind} must be a non-empty {what} within its size limits")
+        raise ValueError("response_format.type must be text, json_object, json_schema, regex, choice or grammar")
 
     @field_validator("temperature")
     @classmethod

@@ -15,11 +15,14 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from app.openai_protocol import ChatCompletionRequest, CompletionRequest, error_body
+from app.tokenization import DetokenizeRequest, TokenizeCompletionRequest
 
 log = logging.getLogger("ray.serve")
 
 api = FastAPI(title="specserve", description="Exact speculative decoding, OpenAI-compatible.")
-BODIES = {"/v1/completions": CompletionRequest, "/v1/chat/completions": ChatCompletionRequest}
+# the bodies each POST endpoint reads (/tokenize also takes TokenizeChatRequest: `messages` for `prompt`)
+BODIES = {"/v1/completions": CompletionRequest, "/v1/chat/completions": ChatCompletionRequest,
+          "/tokenize": TokenizeCompletionRequest, "/detokenize": DetokenizeRequest}
 
 
 def _openapi() -> dict:

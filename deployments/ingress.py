@@ -23,12 +23,15 @@ from transformers import AutoTokenizer
 from app import telemetry
 from app.errors import InvalidRequestError
 from app.grammar import Grammars
-from app.openai_protocol import (MAX_CHOICES, ChatCompletionRequest, ChoiceView, CompletionRequest,
-                                 chat_prompt_ids, choice_body, choice_seed, combined_speculation, completion_body,
-                                 default_max_tokens, join_logprobs, load_json, new_id, normalise_body, usage_body)
+from app.openai_protocol import (MAX_CHOICES, ChatCompletionRequest, CompletionRequest, chat_prompt_ids, choice_seed,
+                                 default_max_tokens, load_json, new_id, normalise_body)
+from app.openai_responses import (ChoiceView, choice_body, combined_speculation, completion_body, join_logprobs,
+                                  usage_body)
 from app.chunks import Chunk, ResumeState
 from app.job import GenerationJob
 from app.params import SamplingParams, SpeculationParams
+from app.tokenization import (DetokenizeRequest, TokenizeChatRequest, TokenizeCompletionRequest, detokenize,
+                              tokenize)
 from deployments.config import AppConfig
 from deployments.dispatch import Dispatcher
 from deployments.failover import GUARD_HEADER, RESUME_HEADER, read_resume
@@ -89,6 +92,35 @@ class Ingress:
     async def chat_completions(self, request: Request):
         return await self._serve(request, ChatCompletionRequest, chat=True)
 
+    @api.post("/tokenize")
+    async def tokenize(self, request: Request):
+        """vLLM's /tokenize: a prompt's or a chat's token ids, as generation would see them."""
+        self._authorize(request)
+        body = await self._parse(request, lambda data: TokenizeChatRequest if "messages" in data
+                                 else TokenizeCompletionRequest)
+        self._check_model(body.model)
+        return await self._prepared(tokenize, self.tokenizer, body, self.max_context)
+
+    @api.post("/detokenize")
+    async def detokenize(self, request: Request):
+        """vLLM's /detokenize: token ids back to text."""
+        self._authorize(request)
+        body = await self._parse(request, DetokenizeRequest)
+        self._check_model(body.model)
+        return await self._prepared(detokenize, self.tokenizer, body, len(self.tokenizer))
+
+    async def _prepared(self, fn, *args):
+        """fn(*args) on the request-preparing thread (tokenizers and templates), its refusal a 400."""
+        try:
+            return await asyncio.get_running_loop().run_in_executor(self.prepare, fn, *args)
+        except InvalidRequestError as e:
+            raise APIError(400, str(e), "invalid_request_error", e.param) from None
+
+    def _check_model(self, model: str | None) -> None:
+        if model is not None and model != self.model_name:
+            raise APIError(404, f"model {model!r} does not exist; this server has {self.model_name!r}",
+                           "not_found_error", "model", "model_not_found")
+
     # -- the request path --------------------------------------------------------------------
     def _authorize(self, request: Request) -> str | None:
         """Check the API key; the caller's prefix-cache scope: its key's digest (None: no keys set), so
@@ -116,11 +148,13 @@ class Ingress:
 
     @staticmethod
     def _validate(raw: bytes, model_cls):
-        """A body as `model_cls`, or an APIError (400) naming what is wrong."""
+        """A body as `model_cls` (or as the class `model_cls(data)` picks), or an APIError (400)."""
         try:
             data = load_json(raw)
             if not isinstance(data, dict):
                 raise InvalidRequestError("body must be a JSON object")
+            if not isinstance(model_cls, type):
+                model_cls = model_cls(data)
             return model_cls.model_validate(normalise_body(data, model_cls))
         except InvalidRequestError as e:
             raise APIError(400, str(e), "invalid_request_error", e.param) from None
@@ -182,9 +216,7 @@ class Ingress:
     async def _respond(self, request: Request, model_cls, chat: bool, span):
         scope = self._authorize(request)
         body = await self._parse(request, model_cls)
-        if body.model != self.model_name:
-            raise APIError(404, f"model {body.model!r} does not exist; this server has {self.model_name!r}",
-                           "not_found_error", "model", "model_not_found")
+        self._check_model(body.model)
         salt = "/".join(s for s in (scope, body.cache_salt) if s is not None) or None
         resume_header = request.headers.get(RESUME_HEADER.decode())
         prompts, jobs, views, resume = await asyncio.get_running_loop().run_in_executor(

@@ -10,7 +10,8 @@ from ray.serve.exceptions import BackPressureError
 
 from app.errors import InvalidRequestError
 from app.chunks import Chunk, ResumeState
-from app.openai_protocol import ChoiceView, combined_speculation, completion_body, error_body, sse_event, usage_body
+from app.openai_protocol import error_body
+from app.openai_responses import ChoiceView, combined_speculation, completion_body, sse_event, usage_body
 from deployments.failover import marker
 from deployments.http_api import APIError
 

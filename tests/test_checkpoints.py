@@ -9,11 +9,7 @@ import torch
 
 from app.engine import Engine
 from app.errors import InvalidRequestError
-from app.openai_protocol import (
-    ChatCompletionRequest,
-    chat_prompt_ids,
-    default_max_tokens,
-)
+from app.openai_protocol import ChatCompletionRequest, chat_prompt_ids, default_max_tokens
 from app.params import SamplingParams
 from app.request import DETOKENIZE_CONTEXT, RequestState
 from app.runner import ModelRunner, eos_ids

@@ -9,8 +9,7 @@ import pytest
 from pydantic import ValidationError
 
 from app.errors import InvalidRequestError
-from app.openai_protocol import (MAX_JSON_DEPTH, ChatCompletionRequest, CompletionRequest, load_json,
-                                 normalise_body)
+from app.openai_protocol import MAX_JSON_DEPTH, ChatCompletionRequest, CompletionRequest, load_json, normalise_body
 from app.params import SamplingParams, SpeculationParams, check_vocabulary, parse_sampling
 from deployments.failover import FailoverMiddleware
 
@@ -177,7 +176,7 @@ class Stream:
 
 def sse_of(streams, firsts) -> list[str]:
     """The SSE events the ingress writes for these streams (deployments/streams.py)."""
-    from app.openai_protocol import ChoiceView
+    from app.openai_responses import ChoiceView
     from deployments.streams import sse_events
 
     tokenizer = SimpleNamespace(decode=lambda ids, **_: "")

@@ -246,7 +246,7 @@ def test_resume_state_is_checked():
 
 
 def test_a_resumed_view_neither_echoes_again_nor_restarts_its_text_offsets(tokenizer):
-    from app.openai_protocol import ChoiceView
+    from app.openai_responses import ChoiceView
 
     ids = tokenizer("def f(x):")["input_ids"]
     whole = ChoiceView(tokenizer, chat=False, logprobs=True, echo="def f(x):", prompt_ids=ids)

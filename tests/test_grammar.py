@@ -215,3 +215,57 @@ def test_output_is_unchanged_when_matchers_are_dropped_mid_generation(byte_token
     sampled = [dict(temperature=1.0, seed=s, max_tokens=40, response_format=JSON_SCHEMA) for s in range(4)]
     assert ([r.token_ids for r in engine(1).generate(PROMPTS, sampled)]
             == [r.token_ids for r in engine(4096).generate(PROMPTS, sampled)])
+
+
+# vLLM's structured outputs (app/structured.py): each kind, as the engine's response_format
+STRUCTURED = {
+    "regex": {"type": "regex", "regex": r"(yes|no), [0-9]{2,4}!"},
+    "choice": {"type": "choice", "choice": ["ab", "a \"quoted\" word", "b\\c", "abc"]},
+    "grammar": {"type": "grammar", "grammar": 'start: item ("," item)*\nitem: "x" | "yy" | NUM\nNUM: /[0-9]+/'},
+}
+
+
+@pytest.mark.parametrize("k", [1, 4, "auto"])
+@pytest.mark.parametrize("kind", sorted(STRUCTURED))
+def test_greedy_output_under_vllms_structured_outputs_is_the_constrained_greedy_output(k, kind, byte_tokenizer,
+                                                                                      byte_target):
+    engine = Engine(ModelRunner(byte_target, byte_tokenizer), ModelRunner(blend(byte_target, 7, 0.8), byte_tokenizer))
+    params = dict(temperature=0, max_tokens=24, response_format=STRUCTURED[kind], speculation={"num_tokens": k})
+    grammar = grammar_of(parse_sampling(params).response_format)
+    for r in engine.generate(PROMPTS, params):
+        want = constrained_reference(byte_target, byte_tokenizer, r.prompt_token_ids, grammar, 24)
+        assert r.token_ids == [t for t in want if t != byte_tokenizer.eos_token_id][: len(r.token_ids)]
+        if kind == "choice":  # a choice ends with its string: always within the budget
+            assert r.finish_reason == "stop" and r.text in STRUCTURED["choice"]["choice"]
+        if kind == "regex" and r.finish_reason == "stop":
+            assert __import__("re").fullmatch(STRUCTURED["regex"]["regex"], r.text)
+
+
+def test_a_body_takes_one_output_constraint_under_any_of_its_names():
+    from app.openai_protocol import CompletionRequest
+    from app.params import SpeculationParams
+
+    def fmt(**fields):
+        body = CompletionRequest.model_validate({"model": "m", "prompt": "x", **fields})
+        return body.sampling(4, SpeculationParams()).response_format
+    assert fmt(structured_outputs={"regex": "a+"}) == fmt(guided_regex="a+") == {"type": "regex", "regex": "a+"}
+    assert fmt(structured_outputs={"choice": ["a", "b"]}) == fmt(guided_choice=["a", "b"])
+    assert fmt(structured_outputs={"grammar": 'start: "a"'}) == {"type": "grammar", "grammar": 'start: "a"'}
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
+    assert fmt(structured_outputs={"json": schema}) == fmt(guided_json=json.dumps(schema)) == fmt(
+        response_format={"type": "json_schema", "json_schema": {"name": "schema", "schema": schema}})
+    assert fmt(structured_outputs={"json_object": True}) == {"type": "json_object"}
+    for both in ({"guided_regex": "a", "guided_choice": ["a"]}, {"structured_outputs": {"regex": "a", "choice": ["a"]}},
+                 {"guided_regex": "a", "response_format": {"type": "json_object"}}):
+        with pytest.raises(InvalidRequestError, match="one output constraint"):
+            fmt(**both)
+    with pytest.raises(InvalidRequestError):
+        fmt(guided_choice=[""])
+
+
+def test_a_structured_output_llguidance_cannot_compile_is_refused_by_name(byte_tokenizer, byte_target):
+    engine = Engine(ModelRunner(byte_target, byte_tokenizer))
+    for bad in ({"type": "regex", "regex": "(unclosed"}, {"type": "grammar", "grammar": "start: ("}):
+        with pytest.raises(InvalidRequestError) as e:
+            engine.generate("x", dict(max_tokens=4, response_format=bad))
+        assert e.value.param == "response_format"

@@ -289,3 +289,18 @@ def test_an_invalid_job_gets_the_same_error_through_every_entry_point(app, local
         local.new_request(ids, params)
     in_process = (e.value.param, str(e.value))
     assert over_http == over_handle == in_process and over_http[0] == param
+
+
+def test_tokenize_and_detokenize_over_http(app, local, client):
+    r = httpx.post(f"{app}/tokenize", json={"model": "target", "prompt": "def f(x):"}, timeout=30).json()
+    assert r["tokens"] == local.tokenizer("def f(x):")["input_ids"] and r["count"] == len(r["tokens"])
+    assert r["max_model_len"] > r["count"]
+    assert httpx.post(f"{app}/detokenize", json={"tokens": r["tokens"]}, timeout=30).json() == {"prompt": "def f(x):"}
+    # a chat's ids are those the chat endpoint generates from
+    messages = [{"role": "user", "content": "sort a list"}]
+    chat = httpx.post(f"{app}/tokenize", json={"messages": messages}, timeout=30).json()
+    used = client.chat.completions.create(model="target", messages=messages, max_tokens=1, temperature=0)
+    assert chat["count"] == used.usage.prompt_tokens
+    bad = httpx.post(f"{app}/detokenize", json={"tokens": [10**6]}, timeout=30)
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "tokens"
+    assert httpx.post(f"{app}/tokenize", json={"model": "nope", "prompt": "x"}, timeout=30).status_code == 404
