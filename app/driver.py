@@ -357,7 +357,7 @@ async def run_rounds(
         if prefill_chunk or score:
             step = prefill_chunk or length
             ends = [end for end in range(step, length, step) if end > cached] + ([length] if score else [])
-            if ends:  # the draft's prefill of the prompt runs beside the target's chunks
+            if ends and not state.finished:  # the draft's prefill of the prompt runs beside the target's chunks
                 with telemetry.span("draft.beside_prefill", trace_parent):  # its spans join the request's trace
                     rounds.draft_beside_prefill()
             for start, end in zip([0] + ends, ends):

@@ -96,7 +96,8 @@ class _Common(BaseModel):
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
     model: str = Field(description="Served model name, as listed by /v1/models.")
-    max_tokens: int | None = Field(None, ge=1, le=MAX_TOKEN_ID, description="Most tokens to generate.")
+    max_tokens: int | None = Field(None, ge=0, le=MAX_TOKEN_ID, description="Most tokens to generate (0, on a "
+                                                                             "completion with echo: score the prompt).")
     temperature: float = Field(1.0, ge=0.0, le=2.0, description=f"0 = greedy; below {MIN_TEMPERATURE} (but not 0) "
                                                                 f"sampled at {MIN_TEMPERATURE}.")
     top_p: float = Field(1.0, gt=0.0, le=1.0, description="Nucleus sampling mass.")
@@ -202,7 +203,15 @@ class CompletionRequest(_Common):
         return self.logprobs
 
     def prompt_logprobs_wanted(self) -> int | None:
+        if self.max_tokens == 0:  # prompt scoring: the prompt's logprobs are the whole answer (0: none shown)
+            return self.logprobs or 0
         return self.logprobs if self.echo else None
+
+    @model_validator(mode="after")
+    def _scoring_needs_echo(self):
+        if self.max_tokens == 0 and not self.echo:
+            raise ValueError("max_tokens 0 scores the prompt: it needs echo: true")
+        return self
 
     @field_validator("prompt")
     @classmethod
@@ -272,6 +281,8 @@ class ChatCompletionRequest(_Common):
     def _top_needs_logprobs(self):
         if self.top_logprobs and not self.logprobs:
             raise ValueError("top_logprobs needs logprobs: true")
+        if self.max_tokens == 0:
+            raise ValueError("max_tokens must be at least 1 on a chat (scoring a prompt is a completion with echo)")
         return self
 
     def top_logprobs_wanted(self) -> int | None:

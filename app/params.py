@@ -54,7 +54,11 @@ class SamplingParams(BaseModel):
 
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
-    max_tokens: int = Field(64, ge=1, le=MAX_TOKEN_ID, description="Most tokens to generate.")
+    prompt_logprobs: int | None = Field(None, ge=0, le=20,
+                                        description="Log-probabilities of each prompt token after the first (raw), "
+                                                    "with this many alternatives.")
+    max_tokens: int = Field(64, ge=0, le=MAX_TOKEN_ID, description="Most tokens to generate; 0 scores the prompt "
+                                                                    "alone (with prompt_logprobs).")
     temperature: float = Field(1.0, ge=0.0, le=100.0, description="0 = greedy; higher flattens the distribution.")
     top_p: float = Field(1.0, gt=0.0, le=1.0, description="Nucleus sampling: keep the smallest set with mass >= top_p.")
     top_k: int = Field(0, ge=-1, le=MAX_TOKEN_ID,
@@ -88,9 +92,6 @@ class SamplingParams(BaseModel):
     logprobs_mode: Literal["raw", "processed"] = Field(
         "raw", description="raw: the model's own distribution; processed: the one sampled from (after "
                            "bias, penalties, temperature, min_p, top-k, top-p; greedy rows: before temperature).")
-    prompt_logprobs: int | None = Field(None, ge=0, le=20,
-                                        description="Log-probabilities of each prompt token after the first (raw), "
-                                                    "with this many alternatives.")
     response_format: dict | None = Field(
         None, description='OpenAI\'s response_format: {"type": "json_object"} or {"type": "json_schema", '
                           '"json_schema": {"name": ..., "schema": {...}}}, or vLLM\'s structured outputs as {"type": '
@@ -122,6 +123,13 @@ class SamplingParams(BaseModel):
             what = "list of strings" if kind == "choice" else "string"
             raise ValueError(f"response_format {kind} must be a non-empty {what} within its size limits")
         raise ValueError("response_format.type must be text, json_object, json_schema, regex, choice or grammar")
+
+    @field_validator("max_tokens")
+    @classmethod
+    def _scoring_only(cls, v: int, info: ValidationInfo) -> int:
+        if v == 0 and info.data.get("prompt_logprobs") is None:  # declared before max_tokens: validated first
+            raise ValueError("max_tokens must be at least 1 (0 scores the prompt alone, with prompt_logprobs)")
+        return v
 
     @field_validator("temperature")
     @classmethod

@@ -210,3 +210,12 @@ def test_from_pretrained_local_directories(model_dirs, monkeypatch):
     r = engine.generate(PROMPTS[0], greedy(num_tokens=4))[0]
     assert r.token_ids == reference(engine.target.model, r.prompt_token_ids, 24)
     assert r.speculation["drafted_tokens"] > 0
+
+
+def test_max_tokens_zero_scores_the_prompt_and_generates_nothing(target_runner, tokenizer):
+    engine = Engine(target_runner, ModelRunner(blend(target_runner.model, 7, 0.85), tokenizer))
+    scored = engine.generate(PROMPTS[0], dict(max_tokens=0, prompt_logprobs=2))[0]
+    one = engine.generate(PROMPTS[0], dict(max_tokens=1, prompt_logprobs=2, temperature=0))[0]
+    assert scored.token_ids == [] and scored.finish_reason == "length" and scored.text == ""
+    assert [e[0] for e in scored.prompt_logprobs] == pytest.approx([e[0] for e in one.prompt_logprobs], abs=1e-5)
+    assert len(scored.prompt_logprobs) == len(scored.prompt_token_ids) - 1

@@ -123,6 +123,18 @@ def test_loglikelihood_as_lm_eval_asks_for_it(client, local):
     assert lp.text_offset == sorted(lp.text_offset) and all(len(t) == 1 for t in lp.top_logprobs[1:])
 
 
+def test_max_tokens_zero_with_echo_scores_the_prompt_alone(client, local):
+    """Prompt scoring (vLLM's): the prompt's logprobs and no output token."""
+    prompt = PROMPTS[3]
+    r = client.completions.create(model="target", prompt=prompt, max_tokens=0, temperature=0, logprobs=1, echo=True)
+    choice, want = r.choices[0], local.generate(prompt, dict(max_tokens=0, prompt_logprobs=1))[0]
+    assert choice.text == prompt and r.usage.completion_tokens == 0 and choice.finish_reason == "length"
+    assert want.token_ids == [] and len(choice.logprobs.tokens) == len(want.prompt_token_ids)
+    assert choice.logprobs.token_logprobs[1:] == pytest.approx([e[0] for e in want.prompt_logprobs], abs=1e-4)
+    with pytest.raises(openai.BadRequestError):  # without echo there would be nothing to answer
+        client.completions.create(model="target", prompt=prompt, max_tokens=0)
+
+
 def test_chat_logprobs_stream_a_token_at_a_time_with_alternatives(client, local):
     chunks = list(client.chat.completions.create(
         model="target", messages=[{"role": "user", "content": "write"}], max_completion_tokens=10, temperature=0,
