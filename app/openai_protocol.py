@@ -1,6 +1,7 @@
 """OpenAI-compatible request bodies (completions and chat), the chat template, and the error body;
 the response bodies are built in app/openai_responses.py."""
 
+import functools
 import json
 import re
 import uuid
@@ -241,10 +242,34 @@ class ChatMessage(BaseModel):
     role: Literal["system", "user", "assistant", "tool", "developer"]
     content: str | list[TextPart]
 
-    def for_template(self) -> dict:
-        """The message as chat templates take it: parts joined into one text, a line apiece."""
+    def for_template(self, parts: bool = False) -> dict:
+        """The message as the chat template takes it: for a template that iterates a message's content
+        (`parts`), a list of text parts (a string content becomes one part); for the others one text,
+        the parts joined a line apiece."""
+        if parts:
+            items = [TextPart(type="text", text=self.content)] if isinstance(self.content, str) else self.content
+            return {"role": self.role, "content": [{"type": "text", "text": p.text} for p in items]}
         text = self.content if isinstance(self.content, str) else "\n".join(p.text for p in self.content)
         return {"role": self.role, "content": text}
+
+
+@functools.lru_cache(maxsize=32)
+def iterates_content(template: str) -> bool:
+    """Whether a chat template loops over a message's content (OpenAI's list of parts), as templates of
+    multimodal families do, rather than printing it as a string: read from the template's syntax tree
+    (a `for` whose iterable is some `x.content` or `x['content']`, possibly through filters)."""
+    try:
+        tree = jinja2.Environment().parse(template)
+    except jinja2.TemplateSyntaxError:
+        return False
+
+    def is_content(node) -> bool:
+        while isinstance(node, jinja2.nodes.Filter):
+            node = node.node
+        return (isinstance(node, jinja2.nodes.Getattr) and node.attr == "content") or (
+            isinstance(node, jinja2.nodes.Getitem) and isinstance(node.arg, jinja2.nodes.Const)
+            and node.arg.value == "content")
+    return any(is_content(loop.iter) for loop in tree.find_all(jinja2.nodes.For))
 
 
 def chat_prompt_ids(tokenizer, messages: list[ChatMessage], add_generation_prompt: bool = True,
@@ -258,7 +283,8 @@ def chat_prompt_ids(tokenizer, messages: list[ChatMessage], add_generation_promp
     naming the template's reason, never a 500.
     """
     try:
-        out = tokenizer.apply_chat_template([m.for_template() for m in messages], tokenize=not add_special_tokens,
+        parts = isinstance(tokenizer.chat_template, str) and iterates_content(tokenizer.chat_template)
+        out = tokenizer.apply_chat_template([m.for_template(parts) for m in messages], tokenize=not add_special_tokens,
                                             add_generation_prompt=add_generation_prompt,
                                             continue_final_message=continue_final_message)
     except (jinja2.TemplateError, ValueError, TypeError) as e:

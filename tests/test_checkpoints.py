@@ -171,3 +171,23 @@ def test_a_bad_job_over_the_handle_fails_alone_with_a_typed_error(change, param,
     good, bad = asyncio.run(both())
     assert isinstance(bad, InvalidRequestError) and param in (bad.param or "")
     assert good == asyncio.run(collect(job(request_id="alone"))) and len(good) == 6
+
+
+def test_a_template_that_iterates_the_parts_gets_them_and_a_string_template_gets_them_joined(tokenizer):
+    from app.openai_protocol import iterates_content
+
+    # the way multimodal families' templates read content (Llama 3.2 Vision, Qwen2-VL): a loop over the parts
+    parts_template = ("{% for m in messages %}{{ m['role'] }}:{% for p in m['content'] | selectattr('type', "
+                      "'equalto', 'text') %}[{{ p['text'] }}]{% endfor %}\n{% endfor %}")
+    string_template = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+    assert iterates_content(parts_template) and not iterates_content(string_template)
+    assert iterates_content("{% for m in messages %}{% for c in m.content %}{{ c.text }}{% endfor %}{% endfor %}")
+    tok = copy.deepcopy(tokenizer)
+    tok.chat_template = parts_template
+    parts = chat(messages=[{"role": "user", "content": [{"type": "text", "text": "hello"},
+                                                        {"type": "text", "text": "world"}]}])
+    assert tok.decode(chat_prompt_ids(tok, parts.messages, add_generation_prompt=False)) == "user:[hello][world]"  # trim_blocks eats the newline
+    plain = chat(messages=[{"role": "user", "content": "hi"}])  # a string is one part for such a template
+    assert tok.decode(chat_prompt_ids(tok, plain.messages, add_generation_prompt=False)) == "user:[hi]"
+    tok.chat_template = string_template
+    assert tok.decode(chat_prompt_ids(tok, parts.messages, add_generation_prompt=False)) == "user: hello\nworld\n"
