@@ -36,7 +36,7 @@ from deployments.config import AppConfig
 from deployments.dispatch import Dispatcher
 from deployments.failover import GUARD_HEADER, RESUME_HEADER, read_resume
 from deployments.http_api import APIError, api, invalid, narrow_schema
-from deployments.metrics import VLLMSpecDecodeCounters
+from deployments.metrics import VLLMSpecDecodeCounters, totals_actor
 from deployments.streams import all_or_stop, next_chunk, sse_events, stop_streams
 
 log = logging.getLogger("ray.serve")
@@ -64,7 +64,8 @@ class Ingress:
         self.prepare = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="specserve-prepare")
         default = cfg.speculation.default_num_tokens
         self.default_spec = SpeculationParams(num_tokens=default)
-        self.spec_counters = VLLMSpecDecodeCounters(model_name)
+        totals = totals_actor(serve.get_replica_context().app_name)
+        self.spec_counters = VLLMSpecDecodeCounters(model_name, totals=lambda delta: totals.add.remote(delta))
         self.grammars = Grammars(self.tokenizer, len(self.tokenizer))  # tokens' bytes, as llguidance reads them
         narrow_schema(model_name, cfg.limits.max_tokens_cap)
         telemetry.configure_tracing("ingress")
@@ -77,7 +78,7 @@ class Ingress:
     @api.get("/metrics")
     async def metrics(self):
         """vLLM's spec-decode counters in Prometheus' text format (deployments/metrics.py)."""
-        return Response(self.spec_counters.render(), media_type=prometheus_client.CONTENT_TYPE_LATEST)
+        return Response(await self.spec_counters.render(), media_type=prometheus_client.CONTENT_TYPE_LATEST)
 
     @api.get("/v1/models")
     async def models(self, request: Request):

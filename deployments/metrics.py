@@ -5,10 +5,15 @@ Ray prefixes every name with `ray_`, counters end in `_total` and histograms exp
 ever names a request: cardinality stays bounded by replicas, K positions and fallback reasons.
 """
 
+import asyncio
+import logging
+
 import prometheus_client
 from ray.serve.metrics import Counter, Gauge, Histogram
 
 from app.telemetry import RoundFacts
+
+log = logging.getLogger("ray.serve")
 
 LATENCY_S = [0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0]
 TTFT_S = [0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0]
@@ -141,31 +146,114 @@ class ServerMetrics:
             self._prefix_hits_seen = cache.prefix_hit_tokens
 
 
+def _zero() -> dict:
+    return {"drafts": 0, "draft_tokens": 0, "accepted": 0, "per_pos": []}
+
+
+def _add(counts: dict, delta: dict) -> dict:
+    """counts += delta (spec-decode counts: three numbers and one per proposal position)."""
+    for key in ("drafts", "draft_tokens", "accepted"):
+        counts[key] += delta[key]
+    per_pos = counts["per_pos"]
+    per_pos += [0] * (len(delta["per_pos"]) - len(per_pos))
+    for j, n in enumerate(delta["per_pos"]):
+        per_pos[j] += n
+    return counts
+
+
+class SpecDecodeTotals:
+    """vLLM's spec-decode counts summed over every ingress replica of an app: one small Ray actor
+    (`totals_actor`) that the replicas add their counts to, so that /metrics gives the same totals
+    whichever replica a scrape reaches (per-replica counters jumped between series). Counts only grow."""
+
+    def __init__(self):
+        self.totals = _zero()
+
+    def add(self, delta: dict) -> dict:
+        return _add(self.totals, delta)
+
+
+def totals_actor(app_name: str):
+    """The app's SpecDecodeTotals actor, made by the first ingress replica that asks (detached: it
+    outlives any one replica, so the totals do too)."""
+    import ray
+
+    cls = ray.remote(num_cpus=0, max_restarts=-1)(SpecDecodeTotals)
+    return cls.options(name=f"specserve-spec-decode-totals-{app_name}", namespace="specserve",
+                       get_if_exists=True, lifetime="detached").remote()
+
+
 class VLLMSpecDecodeCounters:
     """vLLM's speculative-decoding counters (`vllm:spec_decode_*_total`) on the ingress's own
     /metrics, so tools written for vLLM (its `vllm bench serve`) report our acceptance. Ray exports
-    metrics on its own port under its own names (above); these are counted by the ingress replica
-    that answers, over the generations it finished, in their own registry."""
+    metrics on its own port under its own names (above); these are counted by the ingress replicas
+    over the generations they finished, summed across them by `totals` (an async add(delta) ->
+    totals: the app's SpecDecodeTotals actor), flushed at most every `flush_s` and before a scrape.
+    Without totals, or when they cannot be reached, a scrape shows this replica's own counts."""
 
-    def __init__(self, model_name: str):
-        self.registry = prometheus_client.CollectorRegistry()
-        self.model = model_name
-
-        def counter(name: str, doc: str, labels=("model_name",)):
-            return prometheus_client.Counter(f"vllm:spec_decode_{name}", doc, labels, registry=self.registry)
-        self.drafts = counter("num_drafts", "Rounds in which the draft proposed tokens.")
-        self.draft_tokens = counter("num_draft_tokens", "Draft tokens checked by the target.")
-        self.accepted = counter("num_accepted_tokens", "Draft tokens the target accepted.")
-        self.per_pos = counter("num_accepted_tokens_per_pos", "Accepted draft tokens by proposal position.",
-                               ("model_name", "position"))
+    def __init__(self, model_name: str, totals=None, flush_s: float = 1.0):
+        self.model, self.add_to_totals, self.flush_s = model_name, totals, flush_s
+        self.own = _zero()  # this replica's, all time
+        self.pending = _zero()  # not yet in the totals
+        self.totals: dict | None = None  # the app's, as last read
+        self._flush_task = None
 
     def count(self, speculation: dict) -> None:
         """Add one finished generation's `speculation` summary."""
-        self.drafts.labels(self.model).inc(speculation["drafted_rounds"])
-        self.draft_tokens.labels(self.model).inc(speculation["drafted_tokens"])
-        self.accepted.labels(self.model).inc(speculation["accepted_tokens"])
-        for j, n in enumerate(speculation["accepted_per_position"]):
-            self.per_pos.labels(self.model, str(j)).inc(n)
+        delta = {"drafts": speculation["drafted_rounds"], "draft_tokens": speculation["drafted_tokens"],
+                 "accepted": speculation["accepted_tokens"], "per_pos": list(speculation["accepted_per_position"])}
+        _add(self.own, delta)
+        _add(self.pending, delta)
+        if self.add_to_totals is not None and self._flush_task is None:
+            try:
+                self._flush_task = asyncio.get_running_loop().create_task(self._flush_later())
+            except RuntimeError:  # counted off an event loop (a test): flushed by the next render
+                pass
 
-    def render(self) -> bytes:
-        return prometheus_client.generate_latest(self.registry)
+    async def _flush_later(self) -> None:
+        try:
+            await asyncio.sleep(self.flush_s)
+            await self.flush()
+        finally:
+            self._flush_task = None
+
+    async def flush(self) -> None:
+        """Send what this replica counted since the last flush; read the app's totals back."""
+        delta, self.pending = self.pending, _zero()
+        try:
+            self.totals = dict(await asyncio.wait_for(self.add_to_totals(delta), 5.0))
+        except Exception as e:  # the counts stay pending for the next flush
+            _add(self.pending, delta)
+            log.warning("spec-decode totals unreachable (%s): /metrics shows this replica's counts", type(e).__name__)
+            self.totals = None
+
+    async def render(self) -> bytes:
+        if self.add_to_totals is not None:
+            await self.flush()
+        counts = self.totals if self.totals is not None else self.own
+        registry = prometheus_client.CollectorRegistry()
+        registry.register(_Counts(self.model, counts))
+        return prometheus_client.generate_latest(registry)
+
+
+class _Counts:
+    """Spec-decode counts as Prometheus counters, with no creation time (these are totals of the app,
+    not of a process: a time that changed with the answering replica would read as a reset)."""
+
+    def __init__(self, model: str, counts: dict):
+        self.model, self.counts = model, counts
+
+    def collect(self):
+        from prometheus_client.core import CounterMetricFamily
+
+        for key, name, doc in (("drafts", "num_drafts", "Rounds in which the draft proposed tokens."),
+                               ("draft_tokens", "num_draft_tokens", "Draft tokens checked by the target."),
+                               ("accepted", "num_accepted_tokens", "Draft tokens the target accepted.")):
+            family = CounterMetricFamily(f"vllm:spec_decode_{name}", doc, labels=["model_name"])
+            family.add_metric([self.model], self.counts[key])
+            yield family
+        per_pos = CounterMetricFamily("vllm:spec_decode_num_accepted_tokens_per_pos",
+                                      "Accepted draft tokens by proposal position.", labels=["model_name", "position"])
+        for j, n in enumerate(self.counts["per_pos"]):
+            per_pos.add_metric([self.model, str(j)], n)
+        yield per_pos

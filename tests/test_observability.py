@@ -72,7 +72,9 @@ def app(tmp_path_factory, receiver):
     pair = save_tiny_pair(tmp_path_factory.mktemp("pair"))
     env = {"OTEL_EXPORTER_OTLP_ENDPOINT": f"http://127.0.0.1:{receiver.server_address[1]}",
            "OTEL_BSP_SCHEDULE_DELAY": "200", "OTEL_SERVICE_NAME": "specserve-test", "NO_PROXY": "127.0.0.1"}
-    with running_app(*pair, env=env, system_config={"metrics_report_interval_ms": 1000}) as url:
+    # two ingress replicas: /metrics must give the app's totals whichever one answers
+    with running_app(*pair, env=env, system_config={"metrics_report_interval_ms": 1000},
+                     deployments={"Ingress": {"num_replicas": 2}}) as url:
         yield url
 
 
@@ -198,3 +200,28 @@ def test_a_request_is_one_trace_across_the_deployments(app, receiver):
     servers = [s for _, s in spans if s.name.endswith(("Server.propose", "Server.verify"))]
     assert all(attrs(s)["specserve.replica"].string_value and attrs(s)["specserve.batch_size"].int_value >= 1
                for s in servers)
+
+
+def vllm_totals(app: str) -> dict[str, float]:
+    """The /metrics lines `vllm bench serve` sums: vllm:spec_decode_*_total, per position included."""
+    text = httpx.get(f"{app}/metrics", timeout=30).text
+    return {line.rsplit(None, 1)[0]: float(line.rsplit(None, 1)[1]) for line in text.splitlines()
+            if line.startswith("vllm:spec_decode") and line.split("{")[0].endswith("_total")}
+
+
+def test_vllm_counters_are_the_apps_whichever_ingress_replica_answers(app):
+    """Two ingress replicas each count the generations they finish; /metrics serves their sum from
+    either (before, each scrape got the answering replica's own counters, and rates jumped)."""
+    name = 'vllm:spec_decode_num_drafts_total{model_name="target"}'
+    before = vllm_totals(app)
+    specs = [complete(app, p, speculation={"num_tokens": 3})["speculation"] for p in PROMPTS * 3]
+    want = before.get(name, 0.0) + sum(s["drafted_rounds"] for s in specs)
+    deadline, got = time.monotonic() + 30, None
+    while time.monotonic() < deadline:  # each replica flushes within a second; a scrape, the answering one at once
+        got = vllm_totals(app)
+        if got.get(name) == want:
+            break
+        time.sleep(0.5)
+    assert got.get(name) == want
+    scrapes = [vllm_totals(app) for _ in range(10)]
+    assert all(s == got for s in scrapes)

@@ -1,6 +1,8 @@
 """Request bodies as OpenAI clients send them: explicit nulls, harmless extras, fields we do not
 honour (refused by name unless they change nothing), unknown fields, any int64 seed."""
 
+import asyncio
+
 import pytest
 from pydantic import ValidationError
 
@@ -173,7 +175,7 @@ def test_vllm_spec_decode_counters_read_as_vllms_client_reads_them():
     counters.count({"drafted_rounds": 3, "drafted_tokens": 12, "accepted_tokens": 7, "accepted_per_position": [3, 3, 1]})
     counters.count({"drafted_rounds": 1, "drafted_tokens": 4, "accepted_tokens": 4, "accepted_per_position": [1] * 4})
     totals, per_pos = {}, {}
-    for line in counters.render().decode().splitlines():
+    for line in asyncio.run(counters.render()).decode().splitlines():
         if line.startswith("vllm:spec_decode") and line.split(None, 1)[0].split("{")[0].endswith("_total"):
             name, value = line.split("{")[0], float(line.rsplit(None, 1)[-1])
             if "per_pos" in name:
@@ -183,6 +185,35 @@ def test_vllm_spec_decode_counters_read_as_vllms_client_reads_them():
     assert totals == {"vllm:spec_decode_num_drafts_total": 4, "vllm:spec_decode_num_draft_tokens_total": 16,
                       "vllm:spec_decode_num_accepted_tokens_total": 11}
     assert per_pos == {0: 4, 1: 4, 2: 2, 3: 1}
+
+
+def test_every_ingress_replica_serves_the_same_spec_decode_totals():
+    """Two replicas' counters over one totals store (in the app, a Ray actor): a scrape of either shows
+    the sum of both, whichever one answers; with the store gone a replica shows its own counts."""
+    from deployments.metrics import SpecDecodeTotals, VLLMSpecDecodeCounters
+
+    store = SpecDecodeTotals()
+
+    async def add(delta):
+        return store.add(delta)
+
+    def scrape(counters) -> str:
+        return asyncio.run(counters.render()).decode()
+
+    a, b = (VLLMSpecDecodeCounters("target", totals=add, flush_s=3600) for _ in range(2))
+    a.count({"drafted_rounds": 3, "drafted_tokens": 12, "accepted_tokens": 7, "accepted_per_position": [3, 3, 1]})
+    b.count({"drafted_rounds": 1, "drafted_tokens": 4, "accepted_tokens": 4, "accepted_per_position": [1] * 4})
+    asyncio.run(b.flush())
+    first = scrape(a)
+    assert 'vllm:spec_decode_num_drafts_total{model_name="target"} 4.0' in first
+    assert scrape(b) == scrape(a) == first  # the same totals, whichever replica answers
+
+    async def gone(delta):
+        raise ConnectionError("the totals actor is gone")
+    c = VLLMSpecDecodeCounters("target", totals=gone, flush_s=3600)
+    c.count({"drafted_rounds": 2, "drafted_tokens": 2, "accepted_tokens": 1, "accepted_per_position": [1]})
+    assert 'vllm:spec_decode_num_drafts_total{model_name="target"} 2.0' in scrape(c)
+    assert c.pending["drafts"] == 2  # kept for when the store is back
 
 
 def test_stop_token_ids_end_generation_under_speculation(target_model, tokenizer):
