@@ -29,6 +29,7 @@ import torch
 
 from app.errors import InvalidRequestError
 from app.kv import common_prefix
+from app.structured import JSON_LAYOUT
 
 
 def grammar_of(response_format: dict | None) -> str | None:
@@ -50,9 +51,6 @@ def grammar_of(response_format: dict | None) -> str | None:
     return llguidance.LLMatcher.grammar_from_json_schema(json.dumps(schema), defaults=JSON_LAYOUT)
 
 
-# JSON as json.dumps writes it, no free whitespace: with whitespace allowed anywhere a model can emit
-# it without end (a known failure of structured output); a schema's "x-guidance" options override it
-JSON_LAYOUT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 
 MAX_MATCHERS = 4096  # matchers kept per model, least recently used dropped beyond: far above a batch's sequences
 

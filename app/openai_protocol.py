@@ -8,13 +8,14 @@ import uuid
 from typing import Literal
 
 import jinja2
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 from app.errors import InvalidRequestError
 from app.params import (MAX_LOGIT_BIAS, MAX_SEED, MAX_STOP_CHARS, MAX_STOP_TOKEN_IDS, MAX_STOPS, MAX_TOKEN_ID,
                         MIN_REPETITION_PENALTY, MIN_SEED, MIN_TEMPERATURE, SamplingParams, SpeculationParams,
                         TokenId)
 from app.structured import GUIDED, MAX_CHOICE_STRINGS, MAX_PATTERN_CHARS, StructuredOutputs, constraint
+from app.tools import MAX_TOOLS, Tool, ToolChoice
 
 MAX_CHOICES = 64  # generations one request may ask for: prompts x n
 MAX_JSON_DEPTH = 64  # nesting of a request body (a JSON schema of 30 nested objects fits)
@@ -60,7 +61,7 @@ NO_OP_VALUES: dict[str, tuple] = {
     "parallel_tool_calls": (True, False), "skip_special_tokens": (True,), "include_stop_str_in_output": (False,),
     "suffix": ("",),
 }
-WHY_NOT = dict.fromkeys(("tools", "tool_choice"), "this server does not parse tool calls yet")
+WHY_NOT = dict.fromkeys(("tools", "tool_choice"), "for chat completions: a completion makes no tool calls")
 
 
 def normalise_body(data: dict, model_cls: type[BaseModel]) -> dict:
@@ -240,17 +241,43 @@ class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
     role: Literal["system", "user", "assistant", "tool", "developer"]
-    content: str | list[TextPart]
+    content: str | list[TextPart] | None = Field(None, description="None only beside an assistant's tool_calls.")
+    tool_calls: list[dict] | None = Field(None, max_length=128, description="An assistant's calls (OpenAI's shape).")
+    tool_call_id: str | None = Field(None, max_length=256, description="A tool result: the call it answers.")
+
+    @model_validator(mode="after")
+    def _content_or_calls(self):
+        if self.content is None and not self.tool_calls:
+            raise ValueError("a message needs content (or, from the assistant, tool_calls)")
+        return self
 
     def for_template(self, parts: bool = False) -> dict:
         """The message as the chat template takes it: for a template that iterates a message's content
         (`parts`), a list of text parts (a string content becomes one part); for the others one text,
-        the parts joined a line apiece."""
+        the parts joined a line apiece. Calls and call ids as templates read them (arguments parsed)."""
+        content = self.content or ""
         if parts:
-            items = [TextPart(type="text", text=self.content)] if isinstance(self.content, str) else self.content
-            return {"role": self.role, "content": [{"type": "text", "text": p.text} for p in items]}
-        text = self.content if isinstance(self.content, str) else "\n".join(p.text for p in self.content)
-        return {"role": self.role, "content": text}
+            items = [TextPart(type="text", text=content)] if isinstance(content, str) else content
+            out = {"role": self.role, "content": [{"type": "text", "text": p.text} for p in items]}
+        else:
+            out = {"role": self.role,
+                   "content": content if isinstance(content, str) else "\n".join(p.text for p in content)}
+        if self.tool_calls:
+            out["tool_calls"] = [template_call(c) for c in self.tool_calls]
+        if self.tool_call_id is not None:
+            out["tool_call_id"] = self.tool_call_id
+        return out
+
+
+def template_call(call: dict) -> dict:
+    """An OpenAI tool call as chat templates read it: the function's arguments as an object."""
+    function = dict(call.get("function") or {})
+    if isinstance(function.get("arguments"), str):
+        try:
+            function["arguments"] = json.loads(function["arguments"])
+        except json.JSONDecodeError:
+            pass  # a template prints what it was given
+    return {**call, "function": function}
 
 
 @functools.lru_cache(maxsize=32)
@@ -273,7 +300,8 @@ def iterates_content(template: str) -> bool:
 
 
 def chat_prompt_ids(tokenizer, messages: list[ChatMessage], add_generation_prompt: bool = True,
-                    continue_final_message: bool = False, add_special_tokens: bool = False) -> list[int]:
+                    continue_final_message: bool = False, add_special_tokens: bool = False,
+                    tools: list[dict] | None = None) -> list[int]:
     """The conversation through the tokenizer's chat template, as token ids (ending with the
     assistant's turn opened, or with the last message left open to be continued; with the
     tokenizer's special tokens on top of what the template writes, when asked).
@@ -286,7 +314,7 @@ def chat_prompt_ids(tokenizer, messages: list[ChatMessage], add_generation_promp
         parts = isinstance(tokenizer.chat_template, str) and iterates_content(tokenizer.chat_template)
         out = tokenizer.apply_chat_template([m.for_template(parts) for m in messages], tokenize=not add_special_tokens,
                                             add_generation_prompt=add_generation_prompt,
-                                            continue_final_message=continue_final_message)
+                                            continue_final_message=continue_final_message, tools=tools)
     except (jinja2.TemplateError, ValueError, TypeError) as e:
         raise InvalidRequestError(f"the model's chat template rejects these messages: {e}", param="messages") from None
     if add_special_tokens:
@@ -298,6 +326,10 @@ class ChatCompletionRequest(_Common):
     """POST /v1/chat/completions."""
 
     messages: list[ChatMessage] = Field(min_length=1, description="The conversation so far.")
+    tools: list[Tool] | None = Field(None, max_length=MAX_TOOLS, description="Functions the model may call.")
+    tool_choice: ToolChoice | None = Field(None, description='"none", "auto" (the default with tools), '
+                                                              '"required", or a named function.')
+    parallel_tool_calls: bool = Field(True, description="Whether one answer may hold several calls.")
     max_completion_tokens: int | None = Field(None, ge=1, description="Newer name of max_tokens.")
     logprobs: bool = Field(False, description="Log-probabilities of each output token.")
     top_logprobs: int | None = Field(None, ge=0, le=20, description="With logprobs: this many alternatives per "
@@ -310,6 +342,21 @@ class ChatCompletionRequest(_Common):
         if self.max_tokens == 0:
             raise ValueError("max_tokens must be at least 1 on a chat (scoring a prompt is a completion with echo)")
         return self
+
+    @field_validator("tool_choice")
+    @classmethod
+    def _choice_needs_tools(cls, v, info: ValidationInfo):
+        if v not in (None, "none", "auto") and not info.data.get("tools"):  # tools: declared before
+            raise ValueError("tool_choice needs tools")
+        return v
+
+    def calling(self) -> bool:
+        """Whether tool calls may be made (and read from the output)."""
+        return bool(self.tools) and self.tool_choice != "none"
+
+    def tool_dicts(self) -> list[dict] | None:
+        """The tools as chat templates take them, when the model is offered them."""
+        return [t.model_dump(exclude_none=True) for t in self.tools] if self.calling() else None
 
     def top_logprobs_wanted(self) -> int | None:
         return (self.top_logprobs or 0) if self.logprobs else None

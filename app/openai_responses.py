@@ -39,19 +39,23 @@ def usage_body(prompt_tokens: int, completion_tokens: int) -> dict:
 
 
 def choice_body(index: int, text: str, finish: str | None, chat: bool, delta: bool,
-                logprobs: dict | None = None) -> dict:
+                logprobs: dict | None = None, tool_calls: list[dict] | None = None) -> dict:
     if chat:
-        return {"index": index, ("delta" if delta else "message"): {"role": "assistant", "content": text},
-                "finish_reason": finish, "logprobs": logprobs}
+        message = {"role": "assistant", "content": text}
+        if tool_calls:  # a message of calls alone has no content (OpenAI's null)
+            message = {"role": "assistant", "content": text or None, "tool_calls": tool_calls}
+        return {"index": index, ("delta" if delta else "message"): message, "finish_reason": finish,
+                "logprobs": logprobs}
     return {"index": index, "text": text, "finish_reason": finish, "logprobs": logprobs}
 
 
 def completion_body(rid: str, model: str, text: str | list[dict], finish: str | None, usage: dict | None,
                     speculation: dict | None, chat: bool, delta: bool, index: int = 0,
-                    logprobs: dict | None = None) -> dict:
+                    logprobs: dict | None = None, tool_calls: list[dict] | None = None) -> dict:
     """A completion (or one streamed chunk of it), text or chat flavour: one choice (`text`,
-    `finish`, `index`, `logprobs`), or the given list of choice_body()s."""
-    choices = text if isinstance(text, list) else [choice_body(index, text, finish, chat, delta, logprobs)]
+    `finish`, `index`, `logprobs`, `tool_calls`), or the given list of choice_body()s."""
+    choices = text if isinstance(text, list) else [choice_body(index, text, finish, chat, delta, logprobs,
+                                                               tool_calls)]
     obj = ("chat.completion.chunk" if delta else "chat.completion") if chat else "text_completion"
     body = {"id": rid, "object": obj, "created": int(time.time()), "model": model, "choices": choices}
     if usage is not None:

@@ -14,6 +14,9 @@ from pydantic import BaseModel, ConfigDict, Field
 from app.errors import InvalidRequestError
 
 MAX_PATTERN_CHARS = 1 << 16  # a regex or a grammar's text
+# JSON as json.dumps writes it, no free whitespace: with whitespace allowed anywhere a model can emit
+# it without end (a known failure of structured output); a schema's "x-guidance" options override it
+JSON_LAYOUT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 MAX_CHOICE_STRINGS = 1024  # strings of a choice
 MAX_CHOICE_CHARS = 1024
 

@@ -1,5 +1,7 @@
 """Typed `args` of build_app: the application section of the Serve config."""
 
+from typing import Literal
+
 from pydantic import BaseModel, ConfigDict, Field
 
 from app.config import ModelSettings, SpeculationSettings
@@ -70,6 +72,9 @@ class AppConfig(BaseModel):
     draft: ModelConfig | None = Field(default_factory=ModelConfig, description="The draft; null = no speculation.")
     demo_quick: bool = Field(False, description="Use the small quick demo pair when no model is named.")
     served_model_name: str | None = Field(None, description="Name in /v1/models; default: the target's name.")
+    tool_call_parser: Literal["hermes", "llama3_json", "mistral"] | None = Field(
+        None, description="How the target writes tool calls (app/tools.py): hermes (Hermes, Qwen 2.5), llama3_json "
+        "(Llama 3.1-3.3) or mistral; None refuses chat requests that offer tools.")
     speculation: SpeculationConfig = Field(default_factory=SpeculationConfig, description="Speculation defaults.")
     draft_batch: BatchConfig = Field(default_factory=BatchConfig, description="DraftServer batching.")
     target_batch: TargetBatchConfig = Field(

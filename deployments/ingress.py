@@ -32,6 +32,7 @@ from app.job import GenerationJob
 from app.params import SamplingParams, SpeculationParams
 from app.tokenization import (DetokenizeRequest, TokenizeChatRequest, TokenizeCompletionRequest, detokenize,
                               tokenize)
+from app.tools import PARSERS, enforced_tools
 from deployments.config import AppConfig
 from deployments.dispatch import Dispatcher
 from deployments.failover import GUARD_HEADER, RESUME_HEADER, read_resume
@@ -67,6 +68,8 @@ class Ingress:
         totals = totals_actor(serve.get_replica_context().app_name)
         self.spec_counters = VLLMSpecDecodeCounters(model_name, totals=lambda delta: totals.add.remote(delta))
         self.grammars = Grammars(self.tokenizer, len(self.tokenizer))  # tokens' bytes, as llguidance reads them
+        # how this model writes tool calls (app/tools.py); None: requests offering tools are refused
+        self.tool_parser = PARSERS[cfg.tool_call_parser]() if cfg.tool_call_parser else None
         narrow_schema(model_name, cfg.limits.max_tokens_cap)
         telemetry.configure_tracing("ingress")
 
@@ -165,8 +168,11 @@ class Ingress:
     def _prompt_ids(self, body, chat: bool) -> list[list[int]]:
         """The request's prompts (a completion's batch, or the one chat) as token ids."""
         if chat:
+            if body.calling() and self.tool_parser is None:
+                raise APIError(400, "this server reads no tool calls: serve it with args.tool_call_parser "
+                               f"({', '.join(PARSERS)})", "invalid_request_error", "tools")
             try:
-                return [chat_prompt_ids(self.tokenizer, body.messages)]
+                return [chat_prompt_ids(self.tokenizer, body.messages, tools=body.tool_dicts())]
             except InvalidRequestError as e:
                 raise APIError(400, str(e), "invalid_request_error", e.param) from None
         prompts, vocab = body.prompts(), len(self.tokenizer)
@@ -252,7 +258,8 @@ class Ingress:
             return StreamingResponse(sse_events(rid, self.model_name, live, firsts, streams, views, deadline,
                                                 self.cfg.limits.request_timeout_s, chat, include_usage, prompt_tokens,
                                                 continuous, self.spec_counters.count, span,
-                                                starts if report else None),
+                                                starts if report else None,
+                                                self.tool_parser if chat and body.calling() else None),
                                      media_type="text/event-stream")
         try:
             done = await all_or_stop([self._rest(s, f, v, deadline) for s, f, v in zip(streams, firsts, views)],
@@ -260,8 +267,9 @@ class Ingress:
         finally:
             await stop_streams([], streams)
         usage = usage_body(prompt_tokens, sum(last["usage"]["completion_tokens"] for _, last, _ in done))
-        choices = [choice_body(i, text, last["finish_reason"], chat, False, logprobs)
-                   for i, (text, last, logprobs) in enumerate(done)]
+        choices = [choice_body(i, content, finish, chat, False, logprobs, calls)
+                   for i, (text, last, logprobs) in enumerate(done)
+                   for content, calls, finish in [self._calls(body, chat, text, last["finish_reason"])]]
         return completion_body(rid, self.model_name, choices, None, usage,
                                combined_speculation([last["speculation"] for _, last, _ in done]), chat, delta=False)
 
@@ -315,11 +323,34 @@ class Ingress:
         model where every entry point's jobs are, by the engine that runs them (app/job.py)."""
         try:
             sampling = body.sampling(self._max_tokens(body, prompt_len, chat), self.default_spec, salt)
+            if chat and body.calling():
+                sampling = self._tool_constraint(body, sampling)
         except ValidationError as e:
             raise invalid(e.errors()) from None
         except InvalidRequestError as e:
             raise APIError(400, str(e), "invalid_request_error", e.param) from None
         return sampling
+
+    def _tool_constraint(self, body, sampling: SamplingParams) -> SamplingParams:
+        """A required or named tool call as a grammar of this model's call format (app/tools.py)."""
+        try:
+            must = enforced_tools(body.tools, body.tool_choice)
+        except ValueError as e:
+            raise InvalidRequestError(str(e), param="tool_choice") from None
+        if must is None:
+            return sampling
+        if sampling.response_format is not None:
+            raise InvalidRequestError("give one output constraint, not tool_choice and an output format",
+                                      param="tool_choice")
+        grammar = self.tool_parser.grammar(must, body.parallel_tool_calls)
+        return sampling.model_copy(update={"response_format": {"type": "grammar", "grammar": grammar}})
+
+    def _calls(self, body, chat: bool, text: str, finish: str) -> tuple[str, list[dict] | None, str]:
+        """A finished choice's (content, tool_calls, finish_reason): its calls read when tools were offered."""
+        if not (chat and body.calling()):
+            return text, None, finish
+        content, calls = self.tool_parser.parse(text)
+        return (content, [c.body() for c in calls], "tool_calls") if calls else (text, None, finish)
 
     async def _rest(self, stream, first: Chunk, view: ChoiceView, deadline: float) -> tuple[str, Chunk, dict | None]:
         """A generation's whole text, its last chunk (finish_reason, usage, speculation) and its logprobs."""

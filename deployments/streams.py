@@ -10,6 +10,7 @@ from ray.serve.exceptions import BackPressureError
 
 from app.errors import InvalidRequestError
 from app.chunks import Chunk, ResumeState
+from app.tools import Parser, ToolStream
 from app.openai_protocol import error_body
 from app.openai_responses import ChoiceView, combined_speculation, completion_body, sse_event, usage_body
 from deployments.failover import marker
@@ -72,13 +73,16 @@ async def next_chunk(stream, deadline: float, timeout_s: float) -> Chunk:
 async def sse_events(rid: str, model_name: str, live: list[int], firsts: list[Chunk], streams: list,
                      views: list[ChoiceView], deadline: float, timeout_s: float, chat: bool, include_usage: bool,
                      prompt_tokens: int, continuous: bool, count: Callable[[dict], None], span=None,
-                     starts: list[ResumeState] | None = None):
+                     starts: list[ResumeState] | None = None, tools: Parser | None = None):
     """The generations as one stream of server-sent events, each chunk naming its choice's index;
     with `continuous`, every chunk carries the usage so far. `live`: the choices generated here
     (a resumed stream's finished ones are not), in the order of `streams`. With `starts`, each
     event goes with a report of the state it leaves its choice in (deployments/failover.py).
-    `count` takes each finished choice's speculation figures (the /metrics counters)."""
+    `count` takes each finished choice's speculation figures (the /metrics counters). With `tools`
+    (the model's tool-call format), text that may begin a call is held back and a choice's calls go
+    out with its last event, as `tool_calls` deltas."""
     queue: asyncio.Queue = asyncio.Queue()
+    held = [ToolStream(tools) for _ in views] if tools is not None else None
     loop = asyncio.get_running_loop()
 
     async def pump(index: int, stream, chunk: Chunk) -> None:
@@ -115,12 +119,21 @@ async def sse_events(rid: str, model_name: str, live: list[int], firsts: list[Ch
             finish = chunk.get("finish_reason")
             completion[index] += len(chunk.get("token_ids", ()))
             text, logprobs = views[index].render(chunk)
+            calls = None
+            if held is not None:
+                text = held[index].feed(text)
+                if finish:
+                    rest, found = held[index].finish()
+                    text += rest
+                    calls = [c.body(i) for i, c in enumerate(found)] or None
+                    finish = "tool_calls" if calls else finish
             event = ""
             if text or finish or (logprobs and any(logprobs.values())):
                 spec = chunk.get("speculation") if finish and not include_usage else None
                 usage = usage_body(prompt_tokens, sum(completion)) if continuous else None
                 event = sse_event(completion_body(rid, model_name, text, finish, usage, spec,
-                                                  chat, delta=True, index=index, logprobs=logprobs))
+                                                  chat, delta=True, index=index, logprobs=logprobs,
+                                                  tool_calls=calls))
             if starts is not None:  # one message: the client's event and its state arrive together or not at all
                 # the chunk's resume fields, as the job records them (app/chunks.py, ResumeState.record)
                 event += marker({"i": index, **{k: chunk[k] for k in RESUME_FIELDS if k in chunk}})

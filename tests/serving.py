@@ -3,7 +3,7 @@
 import contextlib
 import socket
 
-from conftest import blend, make_model, make_tokenizer
+from conftest import blend, make_byte_tokenizer, make_model, make_tokenizer
 
 
 def free_port() -> int:
@@ -12,8 +12,14 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def save_tiny_pair(root) -> tuple[str, str]:
-    tok, target = make_tokenizer(), make_model(seed=1, max_positions=512)
+def save_tiny_pair(root, byte_level: bool = False, chat_template: str | None = None) -> tuple[str, str]:
+    """A tiny target and a draft that partly agrees with it, saved with their tokenizer: the character
+    tokenizer, or (byte_level) a byte-level BPE that llguidance reads, for structured output; with
+    `chat_template`, the tokenizer's."""
+    tok = make_byte_tokenizer() if byte_level else make_tokenizer()
+    if chat_template is not None:
+        tok.chat_template = chat_template
+    target = make_model(seed=1, max_positions=2048 if byte_level else 512, vocab_rows=len(tok))
     paths = []
     for name, model in (("target", target), ("draft", blend(target, 7, 0.85))):
         model.save_pretrained(root / name)

@@ -100,11 +100,17 @@ def test_a_choice_renders_echo_and_logprobs_as_openai_does(tokenizer):
     assert ChoiceView(tokenizer, chat=False, logprobs=False, echo="ab").render({"text": "c"}) == ("abc", None)
 
 
-def test_tools_are_refused_with_the_reason():
+def test_a_chat_takes_tools_a_completion_refuses_them_with_the_reason():
     tools = [{"type": "function", "function": {"name": "f", "parameters": {}}}]
-    err = refused(ChatCompletionRequest, tools=tools)
-    assert err.param == "tools" and "tool calls" in str(err)
-    assert refused(ChatCompletionRequest, tool_choice="required").param == "tool_choice"
+    body = ChatCompletionRequest.model_validate(normalise_body({"model": "m", "messages": [
+        {"role": "user", "content": "hi"}], "tools": tools}, ChatCompletionRequest))
+    assert body.calling() and body.tool_dicts()[0]["function"]["name"] == "f"
+    err = refused(tools=tools)
+    assert err.param == "tools" and "chat completions" in str(err)
+    with pytest.raises(ValidationError) as e:  # no tools to call
+        ChatCompletionRequest.model_validate({"model": "m", "messages": [{"role": "user", "content": "hi"}],
+                                              "tool_choice": "required"})
+    assert e.value.errors()[0]["loc"][0] == "tool_choice"
 
 
 def test_unknown_fields_are_refused_by_name():
