@@ -52,12 +52,14 @@ class ReferenceGrammar(LogitsProcessor):
         for t in out[self.seen:]:
             assert self.matcher.consume_token(t)
         self.seen = len(out)
-        mask = llguidance.torch.allocate_token_bitmask(1, scores.shape[-1])
+        # the tokenizer's vocabulary: embedding rows past it (a padded head) are never allowed
+        vocab = min(self.tok.vocab_size, scores.shape[-1])
+        mask = llguidance.torch.allocate_token_bitmask(1, self.tok.vocab_size)
         llguidance.torch.fill_next_token_bitmask(self.matcher, mask, 0)
         # the bits read in plain Python: an oracle apart from the engine's unpacking and from
         # llguidance's own torch.compile'd kernel (wrong under a forced AVX2 dispatch on an AVX-512 CPU)
         words = mask[0].tolist()
-        allowed = [t for t in range(scores.shape[-1]) if words[t // 32] >> (t % 32) & 1]
+        allowed = [t for t in range(vocab) if words[t // 32] >> (t % 32) & 1]
         masked = torch.full_like(scores, float("-inf"))
         masked[:, allowed] = scores[:, allowed]
         return masked

@@ -91,3 +91,48 @@ def test_a_required_or_named_call_is_the_constrained_greedy_output_and_valid(k, 
             assert len(calls) == 1 and calls[0].name in {t.function.name for t in tools}
             schema = next(t.function.parameters for t in tools if t.function.name == calls[0].name)
             jsonschema.validate(json.loads(calls[0].arguments), schema)
+
+
+def test_a_draft_that_ignores_the_call_grammar_lowers_acceptance_but_never_changes_the_output(byte_pair,
+                                                                                              monkeypatch):
+    """The target as its own draft: with the grammar on both sides every proposal passes. Planted bug:
+    a draft that ignores the grammar proposes what the call format refuses; the target's mask rejects
+    it, so the output stays the forced call, token for token, and only acceptance drops."""
+    import app.spec as spec
+
+    tok, target, _ = byte_pair
+    engine = Engine(ModelRunner(target, tok), ModelRunner(target, tok), draft_top_n=0)
+    fmt = {"type": "grammar", "grammar": PARSERS["hermes"]().grammar([WEATHER], parallel=False)}
+    params = dict(temperature=0, max_tokens=80, response_format=fmt, speculation={"num_tokens": 4})
+    masked = engine.generate(["call a tool:", "x"], params)
+    monkeypatch.setattr(spec, "_ruled", lambda grammars, logits, items, drafted: logits)
+    unmasked = engine.generate(["call a tool:", "x"], params)
+    assert [r.token_ids for r in unmasked] == [r.token_ids for r in masked]
+    rate = lambda rs: sum(r.speculation["accepted_tokens"] for r in rs) / sum(  # noqa: E731
+        r.speculation["drafted_tokens"] for r in rs)
+    assert rate(masked) > 0.97 and rate(unmasked) < rate(masked)
+
+
+ARCHITECTURES = {"hermes": "qwen2", "llama3_json": "llama3", "mistral": "mistral"}  # who writes calls so
+
+
+@pytest.mark.parametrize("family", sorted(PARSERS))
+def test_a_forced_call_is_exact_on_its_familys_architecture(family):
+    """The architecture that writes each format (tiny configs of Qwen2, Llama 3 and Mistral: padded
+    embedding rows, llama3 rope and stop ids, a sliding window): a named call, K = 4, is the
+    constrained greedy decode."""
+    from test_architectures import FAMILIES, VOCAB, build
+
+    tok = make_byte_tokenizer()
+    make, target_vocab, draft_vocab = FAMILIES[ARCHITECTURES[family]]
+    target = build(make, 2, len(tok) + target_vocab - VOCAB, seed=1)
+    draft = build(make, 1, len(tok) + draft_vocab - VOCAB, seed=2)
+    parser = PARSERS[family]()
+    params = dict(temperature=0, max_tokens=60, speculation={"num_tokens": 4},
+                  response_format={"type": "grammar", "grammar": parser.grammar([TIME], parallel=False)})
+    grammar = grammar_of(parse_sampling(params).response_format)
+    engine = Engine(ModelRunner(target, tok), ModelRunner(draft, tok))
+    for r in engine.generate(["call a tool:", "x"], params):
+        want = constrained_reference(target, tok, r.prompt_token_ids, grammar, 60)
+        assert r.token_ids == [t for t in want if t != tok.eos_token_id][: len(r.token_ids)]
+        assert r.speculation["drafted_tokens"] > 0
