@@ -136,3 +136,49 @@ def test_a_forced_call_is_exact_on_its_familys_architecture(family):
         want = constrained_reference(target, tok, r.prompt_token_ids, grammar, 60)
         assert r.token_ids == [t for t in want if t != tok.eos_token_id][: len(r.token_ids)]
         assert r.speculation["drafted_tokens"] > 0
+
+
+# chat templates in the shapes of the three families, written for these tests: each renders the tools,
+# an assistant's calls and a tool's result its own way
+TEMPLATES = {
+    "llama3": ("{{ '<|begin_of_text|>' }}{% for m in messages %}{% if m.role == 'user' and loop.last and tools %}"
+               "<|start_header_id|>user<|end_header_id|>\n\nGiven the following functions, respond with a JSON "
+               "function call.\n{% for t in tools %}{{ t | tojson }}\n{% endfor %}{{ m.content }}<|eot_id|>"
+               "{% elif m.tool_calls %}<|start_header_id|>assistant<|end_header_id|>\n\n{% for c in m.tool_calls %}"
+               "{{ {'name': c.function.name, 'parameters': c.function.arguments} | tojson }}{% endfor %}<|eot_id|>"
+               "{% elif m.role == 'tool' %}<|start_header_id|>ipython<|end_header_id|>\n\n{{ m.content }}<|eot_id|>"
+               "{% else %}<|start_header_id|>{{ m.role }}<|end_header_id|>\n\n{{ m.content }}<|eot_id|>{% endif %}"
+               "{% endfor %}{% if add_generation_prompt %}<|start_header_id|>assistant<|end_header_id|>\n\n{% endif %}"),
+    "qwen2.5": ("{% if tools %}<|im_start|>system\n<tools>\n{% for t in tools %}{{ t | tojson }}\n{% endfor %}</tools>"
+                "<|im_end|>\n{% endif %}{% for m in messages %}{% if m.tool_calls %}<|im_start|>assistant\n"
+                "{% for c in m.tool_calls %}<tool_call>\n{{ {'name': c.function.name, 'arguments': "
+                "c.function.arguments} | tojson }}\n</tool_call>{% endfor %}<|im_end|>\n{% elif m.role == 'tool' %}"
+                "<|im_start|>user\n<tool_response>\n{{ m.content }}\n</tool_response><|im_end|>\n{% else %}"
+                "<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endif %}{% endfor %}"
+                "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"),
+    "mistral": ("<s>{% for m in messages %}{% if m.role == 'user' %}{% if loop.last and tools %}[AVAILABLE_TOOLS]"
+                "{{ tools | tojson }}[/AVAILABLE_TOOLS]{% endif %}[INST]{{ m.content }}[/INST]{% elif m.tool_calls %}"
+                "[TOOL_CALLS]{{ m.tool_calls | map(attribute='function') | list | tojson }}</s>"
+                "{% elif m.role == 'tool' %}[TOOL_RESULTS]{{ {'call_id': m.tool_call_id, 'content': m.content} | tojson }}"
+                "[/TOOL_RESULTS]{% else %}{{ m.content }}</s>{% endif %}{% endfor %}"),
+}
+
+
+@pytest.mark.parametrize("shape", sorted(TEMPLATES))
+def test_each_familys_template_renders_the_tools_the_calls_and_the_results(shape):
+    import copy
+
+    from app.openai_protocol import ChatCompletionRequest, chat_prompt_ids
+
+    tok = copy.deepcopy(make_byte_tokenizer())
+    tok.chat_template = TEMPLATES[shape]
+    call = {"id": "call_1", "type": "function", "function": {"name": "get_weather",
+                                                            "arguments": '{"city": "Oslo", "unit": "c"}'}}
+    body = ChatCompletionRequest.model_validate({"model": "m", "tools": [WEATHER.model_dump()], "messages": [
+        {"role": "user", "content": "Weather in Oslo?"}, {"role": "assistant", "content": None, "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "12 C"}, {"role": "user", "content": "And?"}]})
+    text = tok.decode(chat_prompt_ids(tok, body.messages, tools=body.tool_dicts()))
+    assert '"name": "get_weather"' in text and '"maxLength": 12' in text  # the tool, with its schema
+    assert '"city": "Oslo"' in text and "12 C" in text  # the call, its arguments as an object, the result
+    offered = tok.decode(chat_prompt_ids(tok, body.messages, tools=None))
+    assert '"maxLength": 12' not in offered  # tool_choice none: not offered
