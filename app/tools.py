@@ -100,6 +100,11 @@ class Parser:
     def grammar(self, tools: list[Tool], parallel: bool) -> str:
         raise NotImplementedError
 
+    def calls_rule(self, tools: list[Tool]) -> str:
+        """Lark rules: `call`, one call of any of the tools, each through its embedded JSON schema."""
+        bodies = "\n".join(f"body{i}: %json {self.call_schema(t)}" for i, t in enumerate(tools))
+        return f"call: {' | '.join(f'body{i}' for i in range(len(tools)))}\n{bodies}"
+
     def call_schema(self, tool: Tool) -> str:
         """One call of `tool` as a JSON schema, laid out as json.dumps writes it."""
         schema = {"type": "object", "properties": {"name": {"const": tool.function.name},
@@ -115,10 +120,8 @@ class Hermes(Parser):
         return [_loads(block) for block in re.findall(r"<tool_call>(.*?)</tool_call>", rest, flags=re.S)]
 
     def grammar(self, tools: list[Tool], parallel: bool) -> str:
-        bodies = "\n".join(f"body{i}: %json {self.call_schema(t)}" for i, t in enumerate(tools))
-        choice = " | ".join(f"body{i}" for i in range(len(tools)))
         repeat = "+" if parallel else ""
-        return f'start: ("<tool_call>\\n" call "\\n</tool_call>"){repeat}\ncall: {choice}\n{bodies}'
+        return f'start: ("<tool_call>\\n" call "\\n</tool_call>"){repeat}\n{self.calls_rule(tools)}'
 
 
 class Llama3Json(Parser):
@@ -134,10 +137,8 @@ class Llama3Json(Parser):
             _loads(rest)]
 
     def grammar(self, tools: list[Tool], parallel: bool) -> str:
-        bodies = "\n".join(f"body{i}: %json {self.call_schema(t)}" for i, t in enumerate(tools))
-        choice = " | ".join(f"body{i}" for i in range(len(tools)))
         more = ' ("; " call)*' if parallel else ""
-        return f"start: call{more}\ncall: {choice}\n{bodies}"
+        return f"start: call{more}\n{self.calls_rule(tools)}"
 
 
 class Mistral(Parser):
