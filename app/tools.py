@@ -80,10 +80,14 @@ def _call(obj: object, args_key: str) -> ToolCall | None:
 
 class Parser:
     """How one family writes tool calls. `start`: where calls begin in the text; `parse(text)` ->
-    (content before the calls, calls); `grammar(tools, parallel)`: calls of these tools only."""
+    (content before the calls, calls, at most `max_calls`); `grammar(tools, parallel)`: calls of
+    these tools only."""
 
     start: str = ""
     args_key = "arguments"
+
+    def __init__(self, max_calls: int | None = None):
+        self.max_calls = max_calls  # 1 for a request with parallel_tool_calls false: the first call only
 
     def split(self, text: str) -> tuple[str, str]:
         at = text.find(self.start)
@@ -92,7 +96,7 @@ class Parser:
     def parse(self, text: str) -> tuple[str, list[ToolCall]]:
         content, rest = self.split(text)
         calls = [c for c in map(lambda o: _call(o, self.args_key), self.objects(rest)) if c is not None]
-        return (content if calls else text), calls
+        return (content if calls else text), calls[: self.max_calls]
 
     def objects(self, rest: str) -> list:
         raise NotImplementedError

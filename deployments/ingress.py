@@ -69,7 +69,7 @@ class Ingress:
         self.spec_counters = VLLMSpecDecodeCounters(model_name, totals=lambda delta: totals.add.remote(delta))
         self.grammars = Grammars(self.tokenizer, len(self.tokenizer))  # tokens' bytes, as llguidance reads them
         # how this model writes tool calls (app/tools.py); None: requests offering tools are refused
-        self.tool_parser = PARSERS[cfg.tool_call_parser]() if cfg.tool_call_parser else None
+        self.tool_parser = PARSERS[cfg.tool_call_parser] if cfg.tool_call_parser else None
         narrow_schema(model_name, cfg.limits.max_tokens_cap)
         telemetry.configure_tracing("ingress")
 
@@ -259,7 +259,7 @@ class Ingress:
                                                 self.cfg.limits.request_timeout_s, chat, include_usage, prompt_tokens,
                                                 continuous, self.spec_counters.count, span,
                                                 starts if report else None,
-                                                self.tool_parser if chat and body.calling() else None),
+                                                self._reader(body) if chat and body.calling() else None),
                                      media_type="text/event-stream")
         try:
             done = await all_or_stop([self._rest(s, f, v, deadline) for s, f, v in zip(streams, firsts, views)],
@@ -342,14 +342,18 @@ class Ingress:
         if sampling.response_format is not None:
             raise InvalidRequestError("give one output constraint, not tool_choice and an output format",
                                       param="tool_choice")
-        grammar = self.tool_parser.grammar(must, body.parallel_tool_calls)
+        grammar = self._reader(body).grammar(must, body.parallel_tool_calls)
         return sampling.model_copy(update={"response_format": {"type": "grammar", "grammar": grammar}})
+
+    def _reader(self, body):
+        """This model's tool-call parser, for a request: the first call only without parallel_tool_calls."""
+        return self.tool_parser(max_calls=None if body.parallel_tool_calls else 1)
 
     def _calls(self, body, chat: bool, text: str, finish: str) -> tuple[str, list[dict] | None, str]:
         """A finished choice's (content, tool_calls, finish_reason): its calls read when tools were offered."""
         if not (chat and body.calling()):
             return text, None, finish
-        content, calls = self.tool_parser.parse(text)
+        content, calls = self._reader(body).parse(text)
         return (content, [c.body() for c in calls], "tool_calls") if calls else (text, None, finish)
 
     async def _rest(self, stream, first: Chunk, view: ChoiceView, deadline: float) -> tuple[str, Chunk, dict | None]:

@@ -42,6 +42,8 @@ def test_each_familys_calls_parse_into_openais_tool_calls(family):
     assert len({c.id for c in calls}) == 2
     plain = "no tools needed, the answer is 4"
     assert PARSERS[family]().parse(plain) == (plain, [])
+    # parallel_tool_calls false: what the model wrote past its first call is not a call of the answer
+    assert [c.name for c in PARSERS[family](max_calls=1).parse(WRITTEN[family])[1]] == ["get_weather"]
 
 
 @pytest.mark.parametrize("family", sorted(PARSERS))
