@@ -58,7 +58,7 @@ HARMLESS_FIELDS = frozenset({"user", "metadata", "store", "service_tier", "safet
 # at a value that changes nothing, refused otherwise with a 400 naming them; never silently ignored.
 NO_OP_VALUES: dict[str, tuple] = {
     "best_of": (1,), "echo": (False,), "tools": ([],), "tool_choice": ("none", "auto"),
-    "parallel_tool_calls": (True, False), "skip_special_tokens": (True,), "include_stop_str_in_output": (False,),
+    "parallel_tool_calls": (True, False), "include_stop_str_in_output": (False,),
     "suffix": ("",),
 }
 WHY_NOT = dict.fromkeys(("tools", "tool_choice"), "for chat completions: a completion makes no tool calls")
@@ -139,6 +139,7 @@ class _Common(BaseModel):
     speculation: SpeculationParams | None = Field(None, description="Extension: K or speculation off.")
     cache_salt: str | None = Field(None, max_length=256, description="Extension (vLLM's): the prompt reuses only "
                                                                      "KV cached by requests with the same salt.")
+    skip_special_tokens: bool = Field(True, description="Extension (vLLM's): false shows special tokens in the text.")
 
     @field_validator("stop")
     @classmethod
@@ -179,7 +180,8 @@ class _Common(BaseModel):
                               prompt_logprobs=self.prompt_logprobs_wanted(),
                               response_format=constraint(self.response_format, self.structured_outputs,
                                                          {name: getattr(self, name) for name in GUIDED}),
-                              speculation=self.speculation or default_spec)
+                              speculation=self.speculation or default_spec,
+                              skip_special_tokens=self.skip_special_tokens)
 
 
 class CompletionRequest(_Common):

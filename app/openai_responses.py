@@ -76,10 +76,12 @@ class ChoiceView:
     top_logprobs, text_offset; chat's: content, a list of tokens with their alternatives)."""
 
     def __init__(self, tokenizer, chat: bool, logprobs: bool, echo: str | None = None,
-                 prompt_ids: list[int] | None = None, token_bytes=None):
+                 prompt_ids: list[int] | None = None, token_bytes=None, skip_special_tokens: bool = True):
         """token_bytes(id): a token's own bytes (a piece of a multi-byte character is not valid UTF-8
-        alone); by default its text's."""
+        alone); by default its text's. skip_special_tokens: whether the text leaves them out (the
+        request's), for the text offsets."""
         self.tokenizer, self.chat, self.logprobs = tokenizer, chat, logprobs
+        self.skip_special_tokens = skip_special_tokens
         self.token_bytes = token_bytes or (lambda t: self._piece(t).encode())
         self.echo, self.prompt_ids = echo, prompt_ids or []
         self.offset = 0  # characters of this choice's text so far: the next token's text_offset
@@ -109,9 +111,10 @@ class ChoiceView:
     def _completion(self, ids: list[int], entries: list) -> dict:
         pieces = [self._piece(t) for t in ids]
         offsets, at = [], self.offset
-        for t in ids:  # where each token's text starts in the choice's text (special tokens have none)
+        for t in ids:  # where each token's text starts in the choice's text (skipped special tokens have none)
             offsets.append(at)
-            at += len(self.tokenizer.decode([t], skip_special_tokens=True, clean_up_tokenization_spaces=False))
+            at += len(self.tokenizer.decode([t], skip_special_tokens=self.skip_special_tokens,
+                                            clean_up_tokenization_spaces=False))
         return {"tokens": pieces, "token_logprobs": [e[0] if e else None for e in entries],
                 "top_logprobs": [{self._piece(i): lp for i, lp in e[1]} if e else None for e in entries],
                 "text_offset": offsets}

@@ -16,6 +16,7 @@ MAX_STOPS = 4  # stop strings per request (OpenAI's limit)
 MAX_STOP_CHARS = 1024  # characters of one stop string
 MAX_STOP_TOKEN_IDS = 64
 MAX_LOGIT_BIAS = 1024  # entries of logit_bias
+MAX_KEPT_SPECIALS = 8  # keep_special_token_ids: a tool-call format has one or two markers
 # Logits are divided by the temperature and by the repetition penalty: below these a finite logit
 # overflows to inf and softmax gives NaN. A smaller temperature is raised to it (vLLM does the same:
 # clients send 1e-6 to mean "nearly greedy"); a smaller penalty is refused.
@@ -98,6 +99,13 @@ class SamplingParams(BaseModel):
                           '"regex" | "choice" | "grammar", <type>: ...}; output then follows it (app/grammar.py).')
     speculation: SpeculationParams = Field(default_factory=SpeculationParams, description="Speculation control.")
     cache_salt: str | None = Field(None, max_length=256, description="Prefix-cache scope: a sequence reuses only KV cached under the same salt (None: shared).")
+    # how the output's text is decoded (app/request.py); the tokens are the same either way
+    skip_special_tokens: bool = Field(True, description="Leave special tokens (control tokens such as a tool-call "
+                                                        "marker) out of the text.")
+    keep_special_token_ids: list[TokenId] = Field(
+        default_factory=list, max_length=MAX_KEPT_SPECIALS,
+        description="Special tokens shown in the text even when special tokens are skipped: a tool-call format's "
+                    "markers (app/tools.py), which its parser must see.")
 
     @field_validator("response_format")
     @classmethod
@@ -192,7 +200,8 @@ def parse_sampling(params: "SamplingParams | dict | None" = None, **overrides) -
 def check_vocabulary(params: SamplingParams, vocab_size: int) -> None:
     """Refuse token ids the model does not have (a bias would index past its logits) and a top_k
     larger than its vocabulary."""
-    for name, ids in (("logit_bias", params.logit_bias), ("stop_token_ids", params.stop_token_ids)):
+    for name, ids in (("logit_bias", params.logit_bias), ("stop_token_ids", params.stop_token_ids),
+                      ("keep_special_token_ids", params.keep_special_token_ids)):
         outside = [t for t in ids if t >= vocab_size]
         if outside:
             raise InvalidRequestError(f"{name} token ids must be in [0, {vocab_size}); got {outside[0]}", param=name)

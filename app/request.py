@@ -10,6 +10,17 @@ REPLACEMENT = "\ufffd"  # what a decoder shows for a UTF-8 sequence cut mid-way
 DETOKENIZE_CONTEXT = 5  # tokens decoded again before new ones: how a piece reads can depend on those before it
 
 
+def special_ids(tokenizer) -> frozenset[int]:
+    """The ids a decode with skip_special_tokens leaves out: the tokenizer's special tokens and the
+    added tokens marked special (a fast tokenizer skips those)."""
+    cached = getattr(tokenizer, "_specserve_special_ids", None)
+    if cached is None:
+        added = getattr(tokenizer, "added_tokens_decoder", {})
+        cached = frozenset(tokenizer.all_special_ids) | {i for i, t in added.items() if getattr(t, "special", False)}
+        tokenizer._specserve_special_ids = cached  # the tokenizer is fixed once loaded
+    return cached
+
+
 def tokenizer_eos_ids(tokenizer) -> frozenset[int]:
     """The tokenizer's end-of-sequence id(s)."""
     eos = tokenizer.eos_token_id
@@ -180,7 +191,13 @@ class RequestState:
     def _decode(self, ids: list[int]) -> str:
         # never the tokenizer's clean-up of spaces: it rewrites text around tokens ("a ." -> "a."), so text
         # decoded a round at a time would differ from, or take back, text already streamed
-        return self.tokenizer.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False) if ids else ""
+        if not ids:
+            return ""
+        skip, kept = self.params.skip_special_tokens, self.params.keep_special_token_ids
+        if skip and kept:  # the specials skipped by hand, all but the kept: decoded as the tokenizer skips them
+            hidden = special_ids(self.tokenizer).difference(kept)
+            ids, skip = [t for t in ids if t not in hidden], False
+        return self.tokenizer.decode(ids, skip_special_tokens=skip, clean_up_tokenization_spaces=False)
 
     def _detokenize(self) -> None:
         """Extend text by the new tokens' text: O(new tokens) per round, and text once added never changes.

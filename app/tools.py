@@ -14,6 +14,11 @@ With `tool_choice: "required"` or a named function, the output must be calls in 
 parser's grammar (llguidance Lark with each tool's parameters as an embedded JSON schema) masks the
 target and the draft alike, like any structured output, so the output stays exact under speculation
 (app/grammar.py). With `auto` the model decides and the parser reads what it wrote.
+
+A format's markers are special tokens in some tokenizers (Mistral's `[TOOL_CALLS]`, Hermes 2 Pro's
+`<tool_call>`): decoding would leave them out of the text and a grammar's literal would spell them
+in ordinary tokens. So a request offering tools keeps them in its text (SamplingParams'
+keep_special_token_ids) and the grammar names the token itself (`<[id]>`): `special_markers`.
 """
 
 import json
@@ -81,13 +86,26 @@ def _call(obj: object, args_key: str) -> ToolCall | None:
 class Parser:
     """How one family writes tool calls. `start`: where calls begin in the text; `parse(text)` ->
     (content before the calls, calls, at most `max_calls`); `grammar(tools, parallel)`: calls of
-    these tools only."""
+    these tools only; `markers`: the strings of the format a tokenizer may hold as special tokens;
+    `anywhere`: whether calls may follow text (else a call is the whole output)."""
 
     start: str = ""
     args_key = "arguments"
+    markers: tuple[str, ...] = ()
+    anywhere = True
 
-    def __init__(self, max_calls: int | None = None):
+    def __init__(self, max_calls: int | None = None, specials: dict[str, int] | None = None):
         self.max_calls = max_calls  # 1 for a request with parallel_tool_calls false: the first call only
+        self.specials = specials or {}  # the markers this tokenizer holds as one special token each: their ids
+
+    def literal(self, marker: str) -> str:
+        """A marker in a Lark grammar: the special token by its id where the tokenizer has one, else its text."""
+        return f"<[{self.specials[marker]}]>" if marker in self.specials else json.dumps(marker)
+
+    def safe_end(self, text: str) -> int:
+        """How much of `text` (a choice's text so far) is surely content, whatever comes next."""
+        content, rest = self.split(text)
+        return len(content) if rest else len(text) - _partial_start(text, self.start)
 
     def split(self, text: str) -> tuple[str, str]:
         at = text.find(self.start)
@@ -119,22 +137,36 @@ class Parser:
 
 class Hermes(Parser):
     start = "<tool_call>"
+    markers = ("<tool_call>", "</tool_call>")
 
     def objects(self, rest: str) -> list:
         return [_loads(block) for block in re.findall(r"<tool_call>(.*?)</tool_call>", rest, flags=re.S)]
 
     def grammar(self, tools: list[Tool], parallel: bool) -> str:
         repeat = "+" if parallel else ""
-        return f'start: ("<tool_call>\\n" call "\\n</tool_call>"){repeat}\n{self.calls_rule(tools)}'
+        begin, end = map(self.literal, self.markers)
+        return f'start: ({begin} "\\n" call "\\n" {end}){repeat}\n{self.calls_rule(tools)}'
 
 
 class Llama3Json(Parser):
+    """The calls are the whole output, perhaps after `<|python_tag|>` (a special token, left out of
+    the text unless the request shows special tokens: not a marker the parser needs)."""
+
     start = "{"
     args_key = "parameters"
+    anywhere = False
+    tag = "<|python_tag|>"
+
+    def head(self, text: str) -> str:
+        return text.lstrip().removeprefix(self.tag).lstrip()
 
     def split(self, text: str) -> tuple[str, str]:
-        stripped = text.removeprefix("<|python_tag|>").lstrip()
-        return ("", stripped) if stripped.startswith("{") else (text, "")
+        head = self.head(text)
+        return ("", head) if head.startswith("{") else (text, "")
+
+    def safe_end(self, text: str) -> int:
+        head = self.head(text)  # nothing yet but blanks or the tag, or a call begun: all may be a call
+        return 0 if not head or head.startswith("{") or self.tag.startswith(text.lstrip()) else len(text)
 
     def objects(self, rest: str) -> list:
         return [_loads(part) for part in re.split(r"\}\s*;\s*\{", rest) if part.strip()] if ";" in rest else [
@@ -147,6 +179,7 @@ class Llama3Json(Parser):
 
 class Mistral(Parser):
     start = "[TOOL_CALLS]"
+    markers = ("[TOOL_CALLS]",)
 
     def objects(self, rest: str) -> list:
         calls = _loads(rest.removeprefix(self.start))
@@ -157,10 +190,17 @@ class Mistral(Parser):
         schema = {"type": "array", "items": items, "minItems": 1, "x-guidance": JSON_LAYOUT}
         if not parallel:
             schema["maxItems"] = 1
-        return f'start: "[TOOL_CALLS]" calls\ncalls: %json {json.dumps(schema)}'
+        return f'start: {self.literal(self.start)} calls\ncalls: %json {json.dumps(schema)}'
 
 
 PARSERS: dict[str, type[Parser]] = {"hermes": Hermes, "llama3_json": Llama3Json, "mistral": Mistral}
+
+
+def special_markers(tokenizer, parser: type[Parser]) -> dict[str, int]:
+    """The format's markers this tokenizer holds as special tokens, with their ids."""
+    added = getattr(tokenizer, "added_tokens_decoder", {})
+    specials = {t.content: i for i, t in added.items() if getattr(t, "special", False)}
+    return {m: specials[m] for m in parser.markers if m in specials}
 
 
 def _loads(text: str) -> object:
@@ -187,22 +227,27 @@ def enforced_tools(tools: list[Tool], choice: ToolChoice | None) -> list[Tool] |
 
 
 class ToolStream:
-    """One streamed choice's text, held back from where a call may begin; its calls at the end."""
+    """One streamed choice's text, held back from where a call may begin; its calls at the end.
 
-    def __init__(self, parser: Parser):
+    `after`: characters of the choice's text already sent by an ingress before this one (a stream
+    resumed after failover; deployments/streams.py reports what was sent, not what was held, so the
+    held text comes again). Held text holds the first call's start, so the text from `after` on
+    reads as the whole text would; but where a call must be the whole output, text sent means none."""
+
+    def __init__(self, parser: Parser, after: int = 0):
         self.parser, self.text, self.sent = parser, "", 0
+        self.plain = after > 0 and not parser.anywhere
 
     def feed(self, delta: str) -> str:
         """The part of the text so far that is surely content, not yet sent."""
         self.text += delta
-        content, rest = self.parser.split(self.text)
-        safe = len(content) if rest else len(self.text) - _partial_start(self.text, self.parser.start)
+        safe = len(self.text) if self.plain else self.parser.safe_end(self.text)
         out, self.sent = self.text[self.sent:max(self.sent, safe)], max(self.sent, safe)
         return out
 
     def finish(self) -> tuple[str, list[ToolCall]]:
         """(content not yet sent, the calls) once the choice has finished."""
-        content, calls = self.parser.parse(self.text)
+        content, calls = (self.text, []) if self.plain else self.parser.parse(self.text)
         rest = content[self.sent:] if calls else self.text[self.sent:]
         self.sent = len(self.text)
         return rest, calls

@@ -32,7 +32,7 @@ from app.job import GenerationJob
 from app.params import SamplingParams, SpeculationParams
 from app.tokenization import (DetokenizeRequest, TokenizeChatRequest, TokenizeCompletionRequest, detokenize,
                               tokenize)
-from app.tools import PARSERS, enforced_tools
+from app.tools import PARSERS, enforced_tools, special_markers
 from deployments.config import AppConfig
 from deployments.dispatch import Dispatcher
 from deployments.failover import GUARD_HEADER, RESUME_HEADER, read_resume
@@ -70,6 +70,7 @@ class Ingress:
         self.grammars = Grammars(self.tokenizer, len(self.tokenizer))  # tokens' bytes, as llguidance reads them
         # how this model writes tool calls (app/tools.py); None: requests offering tools are refused
         self.tool_parser = PARSERS[cfg.tool_call_parser] if cfg.tool_call_parser else None
+        self.tool_markers = special_markers(self.tokenizer, self.tool_parser) if self.tool_parser else {}
         narrow_schema(model_name, cfg.limits.max_tokens_cap)
         telemetry.configure_tracing("ingress")
 
@@ -288,7 +289,7 @@ class Ingress:
                 jobs.append(GenerationJob.new(ids, params, uuid.uuid4().hex))
                 echoed = (p if isinstance(p := body.prompts()[i], str) else self.tokenizer.decode(ids)) if echo else None
                 views.append(ChoiceView(self.tokenizer, chat, sampling.logprobs is not None, echoed, ids,
-                                        self._token_bytes))
+                                        self._token_bytes, sampling.skip_special_tokens))
         return prompts, jobs, views, self._resume(resume_header, body, jobs)
 
     def _resume(self, header: str | None, body, jobs: list[GenerationJob]):
@@ -332,7 +333,10 @@ class Ingress:
         return sampling
 
     def _tool_constraint(self, body, sampling: SamplingParams) -> SamplingParams:
-        """A required or named tool call as a grammar of this model's call format (app/tools.py)."""
+        """A request offering tools: its format's markers kept in its text, and a required or named
+        call as a grammar of the format (app/tools.py)."""
+        if self.tool_markers:
+            sampling = sampling.model_copy(update={"keep_special_token_ids": sorted(self.tool_markers.values())})
         try:
             must = enforced_tools(body.tools, body.tool_choice)
         except ValueError as e:
@@ -347,7 +351,7 @@ class Ingress:
 
     def _reader(self, body):
         """This model's tool-call parser, for a request: the first call only without parallel_tool_calls."""
-        return self.tool_parser(max_calls=None if body.parallel_tool_calls else 1)
+        return self.tool_parser(max_calls=None if body.parallel_tool_calls else 1, specials=self.tool_markers)
 
     def _calls(self, body, chat: bool, text: str, finish: str) -> tuple[str, list[dict] | None, str]:
         """A finished choice's (content, tool_calls, finish_reason): its calls read when tools were offered."""

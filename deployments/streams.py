@@ -82,7 +82,6 @@ async def sse_events(rid: str, model_name: str, live: list[int], firsts: list[Ch
     (the model's tool-call format), text that may begin a call is held back and a choice's calls go
     out with its last event, as `tool_calls` deltas."""
     queue: asyncio.Queue = asyncio.Queue()
-    held = [ToolStream(tools) for _ in views] if tools is not None else None
     loop = asyncio.get_running_loop()
 
     async def pump(index: int, stream, chunk: Chunk) -> None:
@@ -100,6 +99,8 @@ async def sse_events(rid: str, model_name: str, live: list[int], firsts: list[Ch
 
     pumps = [asyncio.ensure_future(pump(i, s, f)) for i, s, f in zip(live, streams, firsts)]
     everyone = starts or [ResumeState(seed=0) for _ in views]
+    # a resumed choice's tool stream begins where the client's text ends (ToolStream's `after`)
+    held = [ToolStream(tools, after=c.streamed_chars) for c in everyone] if tools is not None else None
     completion = [len(c.output_ids) for c in everyone]
     finals = {i: {"usage": {"completion_tokens": len(c.output_ids)}, "speculation": None}
               for i, c in enumerate(everyone) if i not in live}
@@ -135,8 +136,10 @@ async def sse_events(rid: str, model_name: str, live: list[int], firsts: list[Ch
                                                   chat, delta=True, index=index, logprobs=logprobs,
                                                   tool_calls=calls))
             if starts is not None:  # one message: the client's event and its state arrive together or not at all
-                # the chunk's resume fields, as the job records them (app/chunks.py, ResumeState.record)
-                event += marker({"i": index, **{k: chunk[k] for k in RESUME_FIELDS if k in chunk}})
+                # the chunk's resume fields, as the job records them (app/chunks.py, ResumeState.record);
+                # with tools, the text the client got: what was held back is sent again after a failover
+                fields = {k: chunk[k] for k in RESUME_FIELDS if k in chunk}
+                event += marker({"i": index, **fields, **({"text": text} if held is not None else {})})
             if event:
                 yield event
             if finish:

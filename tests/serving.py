@@ -12,13 +12,16 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def save_tiny_pair(root, byte_level: bool = False, chat_template: str | None = None) -> tuple[str, str]:
+def save_tiny_pair(root, byte_level: bool = False, chat_template: str | None = None,
+                   special_tokens: list[str] | None = None) -> tuple[str, str]:
     """A tiny target and a draft that partly agrees with it, saved with their tokenizer: the character
     tokenizer, or (byte_level) a byte-level BPE that llguidance reads, for structured output; with
-    `chat_template`, the tokenizer's."""
+    `chat_template`, the tokenizer's; with `special_tokens`, those added to it as special."""
     tok = make_byte_tokenizer() if byte_level else make_tokenizer()
     if chat_template is not None:
         tok.chat_template = chat_template
+    if special_tokens:
+        tok.add_special_tokens({"additional_special_tokens": special_tokens})
     target = make_model(seed=1, max_positions=2048 if byte_level else 512, vocab_rows=len(tok))
     paths = []
     for name, model in (("target", target), ("draft", blend(target, 7, 0.85))):

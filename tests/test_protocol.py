@@ -62,7 +62,8 @@ def test_sampling_controls_and_logprobs_reach_the_sampling_params():
     assert (sp.presence_penalty, sp.frequency_penalty, sp.repetition_penalty, sp.min_p, sp.min_tokens) == \
         (0.5, -1.0, 1.2, 0.1, 4)
     assert sp.logit_bias == {5: 10.0, 7: -100.0} and sp.logprobs == 2 and sp.prompt_logprobs == 2
-    assert sp.logprobs_mode == "processed"
+    assert sp.logprobs_mode == "processed" and sp.skip_special_tokens is True
+    assert completion(skip_special_tokens=False).sampling(16, spec).skip_special_tokens is False
     assert completion(logprobs=0).sampling(16, spec).prompt_logprobs is None  # scored only when echoed
     assert completion(logprobs=False).sampling(16, spec).logprobs is None
     chat = {"model": "target", "messages": [{"role": "user", "content": "hi"}]}

@@ -1,6 +1,6 @@
 """Structured outputs and tool calls over HTTP, as clients send them with the OpenAI SDK, on a pair
 whose byte-level tokenizer llguidance reads and whose chat template renders tools in the Hermes/Qwen
-shape (served with `tool_call_parser: hermes`):
+shape (served with `tool_call_parser: hermes`), its markers special tokens as in Hermes 2 Pro's:
 - each vLLM structured output under its new name (`structured_outputs`) and its old one (`guided_*`):
   the served greedy output is the in-process engine's, and follows the constraint;
 - the tool-calling flow: a required or named call, streamed or not, then the tool's result sent back
@@ -68,7 +68,8 @@ ASK = [{"role": "user", "content": "What is the weather in Oslo?"}]
 
 @pytest.fixture(scope="module")
 def pair(tmp_path_factory):
-    return save_tiny_pair(tmp_path_factory.mktemp("pair"), byte_level=True, chat_template=TEMPLATE)
+    return save_tiny_pair(tmp_path_factory.mktemp("pair"), byte_level=True, chat_template=TEMPLATE,
+                          special_tokens=["<tool_call>", "</tool_call>"])
 
 
 @pytest.fixture(scope="module")
@@ -99,6 +100,14 @@ def test_each_structured_output_under_both_names_is_the_engines_and_follows_it(c
     assert texts[0] == texts[1] == (want.text, want.finish_reason)
     if want.finish_reason == "stop":
         assert follows(want.text), want.text
+
+
+def test_skip_special_tokens_false_shows_them_in_the_text(client):
+    """A grammar that forces the special token <tool_call>: left out of the text, or shown."""
+    texts = [client.completions.create(model="target", prompt="x", max_tokens=4, temperature=0, extra_body={
+        "structured_outputs": {"grammar": 'start: <tool_call> "ab"'}, **skip}).choices[0].text
+        for skip in ({}, {"skip_special_tokens": False})]
+    assert texts == ["ab", "<tool_call>ab"]
 
 
 def test_two_constraints_in_one_request_are_a_400_naming_the_second(client):

@@ -11,7 +11,7 @@ from app.engine import Engine
 from app.grammar import grammar_of
 from app.params import parse_sampling
 from app.runner import ModelRunner
-from app.tools import PARSERS, NamedToolChoice, Tool, ToolStream, enforced_tools
+from app.tools import PARSERS, NamedToolChoice, Tool, ToolStream, enforced_tools, special_markers
 from conftest import blend, make_byte_tokenizer, make_model
 from test_grammar import constrained_reference
 
@@ -184,3 +184,194 @@ def test_each_familys_template_renders_the_tools_the_calls_and_the_results(shape
     assert '"city": "Oslo"' in text and "12 C" in text  # the call, its arguments as an object, the result
     offered = tok.decode(chat_prompt_ids(tok, body.messages, tools=None))
     assert '"maxLength": 12' not in offered  # tool_choice none: not offered
+
+
+MARKERS = ["[TOOL_CALLS]", "<tool_call>", "</tool_call>", "<|python_tag|>"]  # special tokens in real tokenizers
+
+
+@pytest.fixture(scope="module")
+def marker_pair():
+    """The byte-level pair with the formats' markers as special tokens, as Mistral's and Hermes 2
+    Pro's tokenizers hold them."""
+    import copy
+
+    tok = copy.deepcopy(make_byte_tokenizer())
+    tok.add_special_tokens({"additional_special_tokens": MARKERS})
+    target = make_model(seed=4, vocab_rows=len(tok))
+    return tok, target, blend(target, 7, 0.8)
+
+
+@pytest.mark.parametrize("family", ["mistral", "hermes"])
+def test_a_marker_that_is_a_special_token_is_forced_as_that_token_and_kept_in_the_text(family, marker_pair):
+    """Before, the grammar spelled `[TOOL_CALLS]` in ordinary tokens (the model's own marker token
+    was refused) and the decoded text left special tokens out, so the parser never saw a call."""
+    tok, target, draft = marker_pair
+    specials = special_markers(tok, PARSERS[family])
+    assert set(specials) == set(PARSERS[family].markers) and all(i >= 300 for i in specials.values())
+    parser = PARSERS[family](specials=specials)
+    fmt = {"type": "grammar", "grammar": parser.grammar([WEATHER], parallel=False)}
+    assert "<[" in fmt["grammar"] and json.dumps(PARSERS[family].start) not in fmt["grammar"]
+    params = dict(temperature=0, max_tokens=80, response_format=fmt, speculation={"num_tokens": 4},
+                  keep_special_token_ids=sorted(specials.values()))
+    grammar = grammar_of(parse_sampling(params).response_format)
+    engine = Engine(ModelRunner(target, tok), ModelRunner(draft, tok))
+    results = engine.generate(["call a tool:", "x"], params)
+    for r in results:
+        want = constrained_reference(target, tok, r.prompt_token_ids, grammar, 80)
+        assert r.token_ids == [t for t in want if t != tok.eos_token_id][: len(r.token_ids)]
+        assert r.token_ids[0] == specials[parser.start]  # the marker is the special token itself
+        assert r.text.startswith(parser.start) and r.speculation["drafted_tokens"] > 0
+        if r.finish_reason == "stop":
+            _, calls = parser.parse(r.text)
+            assert [c.name for c in calls] == ["get_weather"]
+            jsonschema.validate(json.loads(calls[0].arguments), WEATHER.function.parameters)
+    assert any(r.finish_reason == "stop" for r in results)
+    # the same tokens decoded as requests without tools decode them: the markers left out
+    plain = engine.generate(["call a tool:"], {**params, "keep_special_token_ids": []})[0]
+    assert plain.token_ids == results[0].token_ids and parser.start not in plain.text
+
+
+def test_kept_specials_change_nothing_else_in_the_text(marker_pair):
+    """Decoding with markers kept is decoding with special tokens skipped, but for the kept ones;
+    skip_special_tokens false shows them all."""
+    import random
+
+    from app.params import SamplingParams
+    from app.request import RequestState
+
+    tok = marker_pair[0]
+    tc, tag = tok.convert_tokens_to_ids(["[TOOL_CALLS]", "<|python_tag|>"])
+    specials = [0, 1, *tok.convert_tokens_to_ids(MARKERS)]
+    words = tok.encode('def f(x):\n    return {"name": "ada", "items": [1, 2]} # done', add_special_tokens=False)
+    rng = random.Random(0)
+    for _ in range(50):  # whole characters only: a cut one is held back until it completes (app/request.py)
+        ids = [rng.choice(specials if rng.random() < 0.3 else words) for _ in range(rng.randint(1, 30))]
+
+        def text(**kw):
+            return RequestState("r", [5], SamplingParams(max_tokens=64, ignore_eos=True, **kw), tok, 512,
+                                output_ids=ids).text
+        shown = tok.decode([t for t in ids if t == tc or t not in specials], skip_special_tokens=False)
+        assert text(keep_special_token_ids=[tc]) == shown
+        assert text() == tok.decode(ids, skip_special_tokens=True)
+        if tag not in ids:  # a kept special the output lacks changes nothing
+            assert text(keep_special_token_ids=[tag]) == text()
+        assert text(skip_special_tokens=False) == tok.decode(ids, skip_special_tokens=False)
+
+
+class Chunks:
+    """A job's chunks as a target replica streams them."""
+
+    def __init__(self, chunks: list):
+        self.chunks = chunks
+
+    def __aiter__(self):
+        return self
+
+    async def __anext__(self):
+        if not self.chunks:
+            raise StopAsyncIteration
+        return self.chunks.pop(0)
+
+    async def aclose(self):
+        pass
+
+
+def engine_chunks(tok, ids: list[int], start) -> list[dict]:
+    """What the engine streams of a job whose output is `ids`, a token a round (a cut anywhere), from where
+    `start` (a ResumeState) stands, as app/request.py reads text."""
+    from app.params import SamplingParams
+    from app.request import RequestState
+
+    s = RequestState("r", [5], SamplingParams(max_tokens=len(ids)), tok, 4096, output_ids=start.output_ids,
+                     streamed_chars=start.streamed_chars)
+    out, at = [], len(start.output_ids)
+    while not s.finished:
+        kept = s.append(ids[at:at + 1])
+        at += len(kept)
+        out.append({"token_ids": kept, "text": s.take_delta()})
+    out[-1].update(finish_reason=s.finish_reason, speculation=s.stats.summary())
+    return out
+
+
+def tool_stream_events(tok, parser, ids: list[int], start) -> list[str]:
+    """The ingress's SSE messages for one chat choice with tools, reporting state for the failover."""
+    import asyncio
+
+    from app.openai_responses import ChoiceView
+    from deployments.streams import sse_events
+
+    chunks = engine_chunks(tok, ids, start)
+
+    async def go():
+        deadline = asyncio.get_running_loop().time() + 60
+        gen = sse_events("chatcmpl-1", "m", [0], chunks[:1], [Chunks(chunks[1:])],
+                         [ChoiceView(tok, chat=True, logprobs=False)], deadline, 60.0, True, False, 1, False,
+                         lambda spec: None, starts=[start], tools=parser)
+        return [message async for message in gen]
+    return asyncio.run(asyncio.wait_for(go(), 30))
+
+
+def client_view(messages: list[str]) -> tuple[str, list, str | None]:
+    """What a client reads of SSE messages: the content, the calls (name, arguments), the finish."""
+    from deployments.failover import MARKER
+
+    content, calls, finish = "", [], None
+    for event in "".join(messages).split("\n\n"):
+        if event.startswith("data: {") and not event.startswith(MARKER.decode()):
+            choice = json.loads(event[6:])["choices"][0]
+            content += choice["delta"].get("content") or ""
+            calls += [(c["function"]["name"], c["function"]["arguments"]) for c in choice["delta"].get("tool_calls") or []]
+            finish = choice["finish_reason"] or finish
+    return content, calls, finish
+
+
+RESUMED = {**WRITTEN, "llama3_json text": 'Sure {"name": "get_time", "parameters": {"zone": 1}}'}
+
+
+@pytest.mark.parametrize("case", sorted(RESUMED))
+def test_a_tool_stream_cut_after_any_event_resumes_into_the_undisturbed_stream(case):
+    """The proxy resumes a cut stream from the state the ingress reported beside each event
+    (deployments/failover.py). Before, a stream with tools reported the text it had received, held
+    text included: cut while a call was held back, it resumed after it, and the client got the
+    call's tail as content and no call. A format whose call is the whole output must not find one
+    after text already sent ("llama3_json text")."""
+    from app.chunks import ResumeState
+    from deployments.failover import MARKER, Resume
+
+    tok = make_byte_tokenizer()
+    parser = PARSERS[case.split()[0]]()
+    ids = tok.encode(RESUMED[case], add_special_tokens=False)
+    whole = tool_stream_events(tok, parser, ids, ResumeState(seed=0))
+    want = client_view(whole)
+    assert want == (parser.parse(RESUMED[case])[0] if want[1] else RESUMED[case], want[1], want[2])
+    assert bool(want[1]) == (case != "llama3_json text")
+    for cut in range(1, len(whole) - 2):  # after the stream's head and before its last event
+        state = Resume(rid="chatcmpl-1", choices=[ResumeState(seed=0)])
+        for message in whole[:cut]:
+            for event in message.split("\n\n"):
+                if event.startswith(MARKER.decode()) and '"i"' in event:
+                    state.apply(json.loads(event[len(MARKER):]))
+        rest = tool_stream_events(tok, parser, ids, state.choices[0].model_copy(deep=True))
+        got = client_view(whole[:cut] + rest[1:])  # the resumed attempt's head goes to the proxy only
+        assert got == want, cut
+
+
+@pytest.mark.parametrize("choice", ["auto", "required"])
+def test_a_request_offering_tools_keeps_its_formats_special_markers_in_its_text(choice, marker_pair):
+    """With `auto` too: the model may write a call, which its parser must see."""
+    from types import SimpleNamespace
+
+    from app.openai_protocol import ChatCompletionRequest
+    from app.params import SamplingParams
+    from deployments.ingress import Ingress
+
+    tok, tc = marker_pair[0], marker_pair[0].convert_tokens_to_ids("[TOOL_CALLS]")
+    me = SimpleNamespace(tool_parser=PARSERS["mistral"], tool_markers=special_markers(tok, PARSERS["mistral"]))
+    me._reader = lambda body: Ingress._reader(me, body)
+    body = ChatCompletionRequest.model_validate({"model": "m", "messages": [{"role": "user", "content": "hi"}],
+                                                 "tools": [WEATHER.model_dump()], "tool_choice": choice})
+    sampling = Ingress._tool_constraint(me, body, SamplingParams())
+    assert sampling.keep_special_token_ids == [tc] and sampling.skip_special_tokens
+    assert (sampling.response_format is None) == (choice == "auto")
+    if choice == "required":
+        assert sampling.response_format["grammar"].startswith(f"start: <[{tc}]> calls")
