@@ -6,7 +6,7 @@ Light on purpose (pydantic only): Serve's HTTP proxy imports it for its failover
 
 from typing import TypedDict
 
-from pydantic import BaseModel, ConfigDict, Field, conlist, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from app.params import MAX_SEED, MAX_TOKEN_ID, MIN_SEED
 
@@ -36,7 +36,7 @@ class ResumeState(BaseModel):
     seed: int = Field(ge=MIN_SEED, le=MAX_SEED, description="the job's draw seed (its own, or the one chosen for it)")
     output_ids: list[int] = Field(default_factory=list, description="output token ids already streamed")
     streamed_chars: int = Field(default=0, ge=0, le=MAX_TOKEN_ID, description="characters of output text streamed")
-    controller: conlist(float, min_length=3, max_length=3) | None = Field(
+    controller: tuple[float, float, float] | None = Field(
         default=None, description="the K controller's state after the last streamed round")
     done: bool = Field(default=False, description="whether the job's last chunk was streamed")
 
