@@ -101,3 +101,16 @@ def test_prefill_bench_reports_both_modes(model_dirs, capsys):
 def test_draft_ahead_is_off_in_process_unless_asked(model_dirs, tmp_path):
     assert bench._load(cli_args(model_dirs, tmp_path)).policy.ahead is False
     assert bench._load(cli_args(model_dirs, tmp_path, "--draft-ahead")).policy.ahead is True
+
+
+def test_constraint_bench_reports_each_constraint(tmp_path, capsys):
+    from serving import save_tiny_pair
+    from tools import constraint_bench
+
+    target, draft = save_tiny_pair(tmp_path, byte_level=True, special_tokens=["[TOOL_CALLS]"])
+    assert constraint_bench.main(["--target", target, "--draft", draft, "--prompts", "2", "--max-tokens", "12",
+                                  "--tool-parser", "mistral"]) == 0
+    report = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert list(report) == ["none", "json_object", "regex", "tool call (mistral, forced)"]
+    for row in report.values():  # figures only: what they are is the pair's business
+        assert 0.0 <= row["acceptance"] <= 1.0 and row["tokens"] > 0
