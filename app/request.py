@@ -122,6 +122,9 @@ class RequestState:
         self.tokenizer = tokenizer
         self.max_context = max_context
         self.output_ids: list[int] = list(output_ids or [])
+        # the special tokens the text leaves out, when some are kept (a tool-call format's markers)
+        kept = params.keep_special_token_ids
+        self._hidden = special_ids(tokenizer).difference(kept) if params.skip_special_tokens and kept else None
         self.finish_reason: str | None = None if self.room() > 0 else "length"  # resumed at its end
         # incremental detokenisation: text holds output_ids[:_read]; output_ids[_prefix:_read] is decoded
         # again with each round's new tokens, as context for tokenizers whose pieces depend on what precedes
@@ -193,10 +196,9 @@ class RequestState:
         # decoded a round at a time would differ from, or take back, text already streamed
         if not ids:
             return ""
-        skip, kept = self.params.skip_special_tokens, self.params.keep_special_token_ids
-        if skip and kept:  # the specials skipped by hand, all but the kept: decoded as the tokenizer skips them
-            hidden = special_ids(self.tokenizer).difference(kept)
-            ids, skip = [t for t in ids if t not in hidden], False
+        skip = self.params.skip_special_tokens
+        if self._hidden is not None:  # the specials skipped by hand, all but the kept: as the tokenizer skips them
+            ids, skip = [t for t in ids if t not in self._hidden], False
         return self.tokenizer.decode(ids, skip_special_tokens=skip, clean_up_tokenization_spaces=False)
 
     def _detokenize(self) -> None:
