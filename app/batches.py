@@ -9,6 +9,7 @@ from dataclasses import dataclass
 import torch
 from transformers.cache_utils import Cache, DynamicLayer
 
+from app.hf_compat import with_cache
 from app.kv import SequenceCache, common_prefix, grown_capacity
 from app.ragged import LAYOUT, Layout, Span, active
 
@@ -303,7 +304,7 @@ class Batch:
         extra = {} if keep is None else {"logits_to_keep": keep}
         out = self.runner.model(
             input_ids=input_ids, attention_mask=None if self.aligned else self.mask, position_ids=positions,
-            past_key_values=self.cache, cache_position=cache_position, use_cache=True, **extra,
+            cache_position=cache_position, use_cache=True, **with_cache(self.runner.model, self.cache), **extra,
         )
         return out.logits
 

@@ -15,6 +15,7 @@ import torch
 from transformers import PreTrainedModel
 
 from demo.corpus import load_heldout_prompts
+from app.hf_compat import returned_cache, with_cache
 from app.runner import load_model
 
 
@@ -41,11 +42,11 @@ def replay_rounds(agree: list[bool], k: int) -> tuple[int, int]:
 def greedy_continuation(model: PreTrainedModel, ids: torch.Tensor, n: int) -> torch.Tensor:
     """The target's greedy continuation of ids [1, S]. Returns [n]."""
     out = model(ids, use_cache=True)
-    cache, tok, toks = out.past_key_values, out.logits[:, -1].argmax(-1, keepdim=True), []
+    cache, tok, toks = returned_cache(out), out.logits[:, -1].argmax(-1, keepdim=True), []
     for _ in range(n):
         toks.append(tok)
-        out = model(tok, past_key_values=cache, use_cache=True)
-        cache, tok = out.past_key_values, out.logits[:, -1].argmax(-1, keepdim=True)
+        out = model(tok, use_cache=True, **with_cache(model, cache))
+        cache, tok = returned_cache(out), out.logits[:, -1].argmax(-1, keepdim=True)
     return torch.cat(toks, dim=1)[0]
 
 
@@ -62,12 +63,12 @@ def step_ms(model: PreTrainedModel, context: int = 128, steps: int = 40) -> floa
     """Median milliseconds of one decode step (1 token, KV cache of `context`), batch 1."""
     ids = torch.randint(2, model.config.vocab_size, (1, context))
     out = model(ids, use_cache=True)
-    cache, tok, times = out.past_key_values, ids[:, -1:], []
+    cache, tok, times = returned_cache(out), ids[:, -1:], []
     for _ in range(steps + 5):
         t0 = time.perf_counter()
-        out = model(tok, past_key_values=cache, use_cache=True)
+        out = model(tok, use_cache=True, **with_cache(model, cache))
         times.append(time.perf_counter() - t0)
-        cache = out.past_key_values
+        cache = returned_cache(out)
     return statistics.median(times[5:]) * 1e3  # the first steps warm up allocators
 
 

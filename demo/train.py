@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
+from app.hf_compat import returned_cache, with_cache
 from demo.muon import Muon
 
 BOS, EOS = "<s>", "</s>"
@@ -224,7 +225,7 @@ def greedy_sequences(target: LlamaForCausalLM, stream: torch.Tensor, plan: Build
         tops = [_top(out.logits, plan.teacher_top_k)]
         toks = [out.logits[:, -1].argmax(-1, keepdim=True)]  # [n, 1] each
         for _ in range(plan.kd_new_tokens - 1):
-            out = target(toks[-1], past_key_values=out.past_key_values, use_cache=True)
+            out = target(toks[-1], use_cache=True, **with_cache(target, returned_cache(out)))
             tops.append(_top(out.logits, plan.teacher_top_k))
             toks.append(out.logits[:, -1].argmax(-1, keepdim=True))
         tokens.append(torch.cat([x, *toks], dim=1))

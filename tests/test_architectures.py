@@ -3,6 +3,8 @@
 Greedy output through the engine, speculating with a draft of the same family, must equal
 Hugging Face `generate` of the target alone."""
 
+import warnings
+
 import pytest
 import torch
 from transformers import (
@@ -91,9 +93,31 @@ def test_greedy_through_the_engine_equals_generate(family, tokenizer):
     draft = build(make, 1, draft_vocab, seed=2)
     engine = Engine(ModelRunner(target, tokenizer), ModelRunner(draft, tokenizer))
     prompts = ["def sliding(window, x):\n    return", "import os\nimport sys\n", "the quick brown fox jumps"]
-    results = engine.generate(prompts, {"max_tokens": 32, "temperature": 0.0, "speculation": {"num_tokens": 3}})
+    with warnings.catch_warnings():
+        # a deprecated keyword is removed later, and then silently ignored: the cache by its current name
+        warnings.filterwarnings("error", category=FutureWarning, message=".*past_key_values.*")
+        results = engine.generate(prompts, {"max_tokens": 32, "temperature": 0.0, "speculation": {"num_tokens": 3}})
     for r in results:
         assert len(r.prompt_token_ids) > 12  # longer than the sliding windows
         assert r.token_ids == reference(target, r.prompt_token_ids, 32), family
     assert sum(len(r.token_ids) for r in results) >= 24  # not a run of immediate stops
     assert sum(r.speculation["drafted_tokens"] for r in results) > 0
+
+
+def test_the_kv_cache_keyword_is_the_one_the_models_forward_takes():
+    from app.hf_compat import returned_cache, with_cache
+
+    class Old(torch.nn.Module):  # transformers before 5.2x
+        def forward(self, input_ids, past_key_values=None, use_cache=None):
+            return None
+
+    class New(torch.nn.Module):
+        def forward(self, input_ids, cache=None, use_cache=None, **kwargs):
+            return None
+
+    assert with_cache(Old(), "c") == {"past_key_values": "c"} and with_cache(New(), "c") == {"cache": "c"}
+    model = build(llama3, 1, VOCAB, seed=1)
+    out = model(torch.tensor([[2, 3]]), use_cache=True)
+    again = model(torch.tensor([[4]]), use_cache=True, **with_cache(model, returned_cache(out)))
+    whole = model(torch.tensor([[2, 3, 4]])).logits[:, -1]
+    assert torch.allclose(again.logits[:, -1], whole, atol=1e-4)  # the cache was used, not ignored

@@ -14,6 +14,7 @@ from transformers import DynamicCache
 from transformers.generation.streamers import BaseStreamer
 
 from app.engine import Engine
+from app.hf_compat import with_cache
 from app.params import SamplingParams
 from app.spec import Proposal, ProposeItem, VerifyItem, propose, verify
 from app.syncs import SyncCounter
@@ -151,12 +152,12 @@ def forward_ms(model, context: int, new_tokens: int = 1, steps: int = 20, batch:
     device = next(model.parameters()).device
     ids = torch.randint(2, model.config.vocab_size, (batch, context + new_tokens * (steps + 3)), device=device)
     cache = DynamicCache()
-    model(ids[:, :context], past_key_values=cache, use_cache=True)
+    model(ids[:, :context], use_cache=True, **with_cache(model, cache))
     times, pos = [], context
     for _ in range(steps + 3):
         _sync(device)
         t0 = time.perf_counter()
-        model(ids[:, pos:pos + new_tokens], past_key_values=cache, use_cache=True)
+        model(ids[:, pos:pos + new_tokens], use_cache=True, **with_cache(model, cache))
         _sync(device)
         times.append(time.perf_counter() - t0)
         pos += new_tokens
