@@ -21,6 +21,13 @@ def special_ids(tokenizer) -> frozenset[int]:
     return cached
 
 
+def streamed_text(tokenizer, params: SamplingParams, output_ids: list[int], streamed_chars: int) -> str:
+    """The text a stream of `output_ids` had sent when it had sent `streamed_chars` characters, decoded
+    as the stream decoded it: a stream resumed on another replica rebuilds what its client has."""
+    state = RequestState("", [], params, tokenizer, len(output_ids) + 1, output_ids=output_ids)
+    return state.text[:streamed_chars]
+
+
 def tokenizer_eos_ids(tokenizer) -> frozenset[int]:
     """The tokenizer's end-of-sequence id(s)."""
     eos = tokenizer.eos_token_id

@@ -10,6 +10,11 @@ the output into OpenAI's `tool_calls`:
   `; `;
 - `mistral`: `[TOOL_CALLS]` then a JSON list of `{"name": ..., "arguments": {...}}`.
 
+Both the unary answer and the stream read calls with one scanner (`Parser.calls`, over
+app/json_scan.py): a call counts once its name is whole, and its arguments are the JSON text the
+model wrote (a JSON string's contents, if it wrote one). A stream sends each call's name as soon
+as it is whole and its arguments as they grow, so what a client assembles is the unary answer.
+
 With `tool_choice: "required"` or a named function, the output must be calls in that format: the
 parser's grammar (llguidance Lark with each tool's parameters as an embedded JSON schema) masks the
 target and the draft alike, like any structured output, so the output stays exact under speculation
@@ -22,13 +27,13 @@ keep_special_token_ids) and the grammar names the token itself (`<[id]>`): `spec
 """
 
 import json
-import re
 import secrets
 from dataclasses import dataclass
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from app.json_scan import members, objects, whole_string
 from app.structured import JSON_LAYOUT
 
 MAX_TOOLS = 128
@@ -62,37 +67,55 @@ class NamedToolChoice(BaseModel):
 ToolChoice = Literal["none", "auto", "required"] | NamedToolChoice
 
 
+def new_call_id() -> str:
+    return f"call_{secrets.token_hex(12)}"
+
+
 @dataclass
 class ToolCall:
+    """A call: whole, or as far as the text goes (its arguments' JSON text so far)."""
+
     name: str
     arguments: str  # JSON text, as OpenAI gives it
     id: str = ""
 
     def __post_init__(self):
-        self.id = self.id or f"call_{secrets.token_hex(12)}"
+        self.id = self.id or new_call_id()
 
     def body(self, index: int | None = None) -> dict:
         out = {"id": self.id, "type": "function", "function": {"name": self.name, "arguments": self.arguments}}
         return out if index is None else {"index": index, **out}
 
 
-def _call(obj: object, args_key: str) -> ToolCall | None:
-    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
-        return None
-    args = obj.get(args_key, obj.get("arguments", {}))
-    return ToolCall(obj["name"], args if isinstance(args, str) else json.dumps(args, ensure_ascii=False))
+def calls_in(rest: str, args_key: str) -> list[tuple[str, str]]:
+    """The leading calls in the text where calls begin, as far as it goes, as (name, arguments' JSON
+    text): those whose name is whole. Arguments under `args_key` (or "arguments"); a call closed
+    without any has "{}"."""
+    calls = []
+    for start, end in objects(rest):
+        found = members(rest, start)
+        name = whole_string(rest, found.get("name"))
+        if name is None:
+            break  # calls go out in order: a later one waits for this one's name
+        span = found.get(args_key, found.get("arguments"))
+        if span is None:
+            arguments = "{}" if end is not None else ""
+        elif rest[span[0]] == '"':  # the arguments written as a JSON string of JSON: its contents, once whole
+            arguments = whole_string(rest, span) or ""
+        else:
+            arguments = rest[span[0]:len(rest) if span[1] is None else span[1]]
+        calls.append((name, arguments))
+    return calls
 
 
 class Parser:
     """How one family writes tool calls. `start`: where calls begin in the text; `parse(text)` ->
     (content before the calls, calls, at most `max_calls`); `grammar(tools, parallel)`: calls of
-    these tools only; `markers`: the strings of the format a tokenizer may hold as special tokens;
-    `anywhere`: whether calls may follow text (else a call is the whole output)."""
+    these tools only; `markers`: the strings of the format a tokenizer may hold as special tokens."""
 
     start: str = ""
     args_key = "arguments"
     markers: tuple[str, ...] = ()
-    anywhere = True
 
     def __init__(self, max_calls: int | None = None, specials: dict[str, int] | None = None):
         self.max_calls = max_calls  # 1 for a request with parallel_tool_calls false: the first call only
@@ -111,13 +134,16 @@ class Parser:
         at = text.find(self.start)
         return (text, "") if at < 0 else (text[:at], text[at:])
 
-    def parse(self, text: str) -> tuple[str, list[ToolCall]]:
-        content, rest = self.split(text)
-        calls = [c for c in map(lambda o: _call(o, self.args_key), self.objects(rest)) if c is not None]
-        return (content if calls else text), calls[: self.max_calls]
+    def calls(self, text: str) -> list[tuple[str, str]]:
+        """The calls in a choice's text so far (at most `max_calls`): (name, arguments' JSON text)."""
+        _, rest = self.split(text)
+        return calls_in(rest, self.args_key)[: self.max_calls] if rest else []
 
-    def objects(self, rest: str) -> list:
-        raise NotImplementedError
+    def parse(self, text: str) -> tuple[str, list[ToolCall]]:
+        """A finished choice's (content before the calls, calls); no calls: the whole text."""
+        content, _ = self.split(text)
+        calls = [ToolCall(name, arguments) for name, arguments in self.calls(text)]
+        return (content if calls else text), calls
 
     def grammar(self, tools: list[Tool], parallel: bool) -> str:
         raise NotImplementedError
@@ -139,9 +165,6 @@ class Hermes(Parser):
     start = "<tool_call>"
     markers = ("<tool_call>", "</tool_call>")
 
-    def objects(self, rest: str) -> list:
-        return [_loads(block) for block in re.findall(r"<tool_call>(.*?)</tool_call>", rest, flags=re.S)]
-
     def grammar(self, tools: list[Tool], parallel: bool) -> str:
         repeat = "+" if parallel else ""
         begin, end = map(self.literal, self.markers)
@@ -154,7 +177,6 @@ class Llama3Json(Parser):
 
     start = "{"
     args_key = "parameters"
-    anywhere = False
     tag = "<|python_tag|>"
 
     def head(self, text: str) -> str:
@@ -168,10 +190,6 @@ class Llama3Json(Parser):
         head = self.head(text)  # nothing yet but blanks or the tag, or a call begun: all may be a call
         return 0 if not head or head.startswith("{") or self.tag.startswith(text.lstrip()) else len(text)
 
-    def objects(self, rest: str) -> list:
-        return [_loads(part) for part in re.split(r"\}\s*;\s*\{", rest) if part.strip()] if ";" in rest else [
-            _loads(rest)]
-
     def grammar(self, tools: list[Tool], parallel: bool) -> str:
         more = ' ("; " call)*' if parallel else ""
         return f"start: call{more}\n{self.calls_rule(tools)}"
@@ -180,10 +198,6 @@ class Llama3Json(Parser):
 class Mistral(Parser):
     start = "[TOOL_CALLS]"
     markers = ("[TOOL_CALLS]",)
-
-    def objects(self, rest: str) -> list:
-        calls = _loads(rest.removeprefix(self.start))
-        return calls if isinstance(calls, list) else [calls]
 
     def grammar(self, tools: list[Tool], parallel: bool) -> str:
         items = {"anyOf": [json.loads(self.call_schema(t)) for t in tools]}
@@ -203,18 +217,6 @@ def special_markers(tokenizer, parser: type[Parser]) -> dict[str, int]:
     return {m: specials[m] for m in parser.markers if m in specials}
 
 
-def _loads(text: str) -> object:
-    """One call's JSON as the model wrote it; a fragment (split parallel calls, cut output) is repaired
-    by its missing braces at most, else it is no call."""
-    text = text.strip()
-    for candidate in (text, "{" + text, text + "}", "{" + text + "}"):
-        try:
-            return json.loads(candidate)
-        except json.JSONDecodeError:
-            continue
-    return None
-
-
 def enforced_tools(tools: list[Tool], choice: ToolChoice | None) -> list[Tool] | None:
     """The tools a call must be made to (required: any; named: that one), or None when the model may
     answer in text."""
@@ -227,30 +229,48 @@ def enforced_tools(tools: list[Tool], choice: ToolChoice | None) -> list[Tool] |
 
 
 class ToolStream:
-    """One streamed choice's text, held back from where a call may begin; its calls at the end.
+    """One streamed choice: its text, held back from where a call may begin, and its calls as they
+    are written, as OpenAI's `tool_calls` deltas: a call's id and name once its name is whole, then
+    its arguments' text as it grows.
 
-    `after`: characters of the choice's text already sent by an ingress before this one (a stream
-    resumed after failover; deployments/streams.py reports what was sent, not what was held, so the
-    held text comes again). Held text holds the first call's start, so the text from `after` on
-    reads as the whole text would; but where a call must be the whole output, text sent means none."""
+    What has gone out after some text depends on that text alone, not on how it was cut into deltas
+    (every rule here reads a prefix of it). So a stream resumed on another ingress replica after a
+    failover takes in `sent`, the text the client's events were made of, and goes on from there."""
 
-    def __init__(self, parser: Parser, after: int = 0):
+    def __init__(self, parser: Parser, sent: str = ""):
         self.parser, self.text, self.sent = parser, "", 0
-        self.plain = after > 0 and not parser.anywhere
+        self.ids: list[str] = []  # per call begun: its id
+        self.shown: list[int] = []  # ... and the characters of its arguments sent
+        self.feed(sent)
 
-    def feed(self, delta: str) -> str:
-        """The part of the text so far that is surely content, not yet sent."""
+    def feed(self, delta: str) -> tuple[str, list[dict]]:
+        """(the text so far that is surely content, not yet sent; the calls' deltas)."""
         self.text += delta
-        safe = len(self.text) if self.plain else self.parser.safe_end(self.text)
-        out, self.sent = self.text[self.sent:max(self.sent, safe)], max(self.sent, safe)
-        return out
+        safe = max(self.sent, self.parser.safe_end(self.text))
+        out, self.sent = self.text[self.sent:safe], safe
+        return out, self._deltas()
 
-    def finish(self) -> tuple[str, list[ToolCall]]:
-        """(content not yet sent, the calls) once the choice has finished."""
-        content, calls = (self.text, []) if self.plain else self.parser.parse(self.text)
-        rest = content[self.sent:] if calls else self.text[self.sent:]
+    def finish(self) -> tuple[str, list[dict], bool]:
+        """(content not yet sent, the calls' last deltas, whether the choice made calls) once it has finished."""
+        deltas = self._deltas()
+        content, _ = self.parser.split(self.text)
+        rest = (content if self.ids else self.text)[self.sent:]
         self.sent = len(self.text)
-        return rest, calls
+        return rest, deltas, bool(self.ids)
+
+    def _deltas(self) -> list[dict]:
+        # the call region is read again from its start on each delta: calls are short, and a choice
+        # without one (no marker, or text first where a call must be the whole output) has none to read
+        out = []
+        for i, (name, arguments) in enumerate(self.parser.calls(self.text)):
+            if i == len(self.ids):
+                self.ids.append(new_call_id())
+                self.shown.append(len(arguments))
+                out.append(ToolCall(name, arguments, self.ids[i]).body(i))
+            elif len(arguments) > self.shown[i]:
+                out.append({"index": i, "function": {"arguments": arguments[self.shown[i]:]}})
+                self.shown[i] = len(arguments)
+        return out
 
 
 def _partial_start(text: str, start: str) -> int:

@@ -30,6 +30,7 @@ from app.openai_responses import (ChoiceView, choice_body, combined_speculation,
 from app.chunks import Chunk, ResumeState
 from app.job import GenerationJob
 from app.params import SamplingParams, SpeculationParams
+from app.request import streamed_text
 from app.tokenization import (DetokenizeRequest, TokenizeChatRequest, TokenizeCompletionRequest, detokenize,
                               tokenize)
 from app.tools import PARSERS, enforced_tools, special_markers
@@ -256,11 +257,15 @@ class Ingress:
             # as vLLM: usage on every chunk when both are asked for
             continuous = include_usage and options.continuous_usage_stats
             report = request.headers.get(GUARD_HEADER.decode()) == "1"  # the proxy's failover keeps the state
+            tools, sent = self._reader(body) if chat and body.calling() else None, None
+            if tools is not None and resume:  # a resumed stream's calls go on from the text its client had
+                sent = await asyncio.get_running_loop().run_in_executor(self.prepare, lambda: [
+                    streamed_text(self.tokenizer, job.params, c.output_ids, c.streamed_chars)
+                    for job, c in zip(jobs, starts)])
             return StreamingResponse(sse_events(rid, self.model_name, live, firsts, streams, views, deadline,
                                                 self.cfg.limits.request_timeout_s, chat, include_usage, prompt_tokens,
                                                 continuous, self.spec_counters.count, span,
-                                                starts if report else None,
-                                                self._reader(body) if chat and body.calling() else None),
+                                                starts if report else None, tools, sent),
                                      media_type="text/event-stream")
         try:
             done = await all_or_stop([self._rest(s, f, v, deadline) for s, f, v in zip(streams, firsts, views)],

@@ -73,14 +73,16 @@ async def next_chunk(stream, deadline: float, timeout_s: float) -> Chunk:
 async def sse_events(rid: str, model_name: str, live: list[int], firsts: list[Chunk], streams: list,
                      views: list[ChoiceView], deadline: float, timeout_s: float, chat: bool, include_usage: bool,
                      prompt_tokens: int, continuous: bool, count: Callable[[dict], None], span=None,
-                     starts: list[ResumeState] | None = None, tools: Parser | None = None):
+                     starts: list[ResumeState] | None = None, tools: Parser | None = None,
+                     sent: list[str] | None = None):
     """The generations as one stream of server-sent events, each chunk naming its choice's index;
     with `continuous`, every chunk carries the usage so far. `live`: the choices generated here
     (a resumed stream's finished ones are not), in the order of `streams`. With `starts`, each
     event goes with a report of the state it leaves its choice in (deployments/failover.py).
     `count` takes each finished choice's speculation figures (the /metrics counters). With `tools`
-    (the model's tool-call format), text that may begin a call is held back and a choice's calls go
-    out with its last event, as `tool_calls` deltas."""
+    (the model's tool-call format), text that may begin a call is held back and calls are sent as
+    `tool_calls` deltas as they are written; `sent`: for a resumed stream, each choice's text so far
+    (app/tools.py, ToolStream)."""
     queue: asyncio.Queue = asyncio.Queue()
     loop = asyncio.get_running_loop()
 
@@ -99,8 +101,7 @@ async def sse_events(rid: str, model_name: str, live: list[int], firsts: list[Ch
 
     pumps = [asyncio.ensure_future(pump(i, s, f)) for i, s, f in zip(live, streams, firsts)]
     everyone = starts or [ResumeState(seed=0) for _ in views]
-    # a resumed choice's tool stream begins where the client's text ends (ToolStream's `after`)
-    held = [ToolStream(tools, after=c.streamed_chars) for c in everyone] if tools is not None else None
+    held = [ToolStream(tools, t) for t in sent or [""] * len(views)] if tools is not None else None
     completion = [len(c.output_ids) for c in everyone]
     finals = {i: {"usage": {"completion_tokens": len(c.output_ids)}, "speculation": None}
               for i, c in enumerate(everyone) if i not in live}
@@ -122,24 +123,22 @@ async def sse_events(rid: str, model_name: str, live: list[int], firsts: list[Ch
             text, logprobs = views[index].render(chunk)
             calls = None
             if held is not None:
-                text = held[index].feed(text)
+                text, calls = held[index].feed(text)
                 if finish:
-                    rest, found = held[index].finish()
-                    text += rest
-                    calls = [c.body(i) for i, c in enumerate(found)] or None
-                    finish = "tool_calls" if calls else finish
+                    rest, last, called = held[index].finish()
+                    text, calls = text + rest, calls + last
+                    finish = "tool_calls" if called else finish
+                calls = calls or None
             event = ""
-            if text or finish or (logprobs and any(logprobs.values())):
+            if text or finish or calls or (logprobs and any(logprobs.values())):
                 spec = chunk.get("speculation") if finish and not include_usage else None
                 usage = usage_body(prompt_tokens, sum(completion)) if continuous else None
                 event = sse_event(completion_body(rid, model_name, text, finish, usage, spec,
                                                   chat, delta=True, index=index, logprobs=logprobs,
                                                   tool_calls=calls))
             if starts is not None:  # one message: the client's event and its state arrive together or not at all
-                # the chunk's resume fields, as the job records them (app/chunks.py, ResumeState.record);
-                # with tools, the text the client got: what was held back is sent again after a failover
-                fields = {k: chunk[k] for k in RESUME_FIELDS if k in chunk}
-                event += marker({"i": index, **fields, **({"text": text} if held is not None else {})})
+                # the chunk's resume fields, as the job records them (app/chunks.py, ResumeState.record)
+                event += marker({"i": index, **{k: chunk[k] for k in RESUME_FIELDS if k in chunk}})
             if event:
                 yield event
             if finish:

@@ -46,16 +46,64 @@ def test_each_familys_calls_parse_into_openais_tool_calls(family):
     assert [c.name for c in PARSERS[family](max_calls=1).parse(WRITTEN[family])[1]] == ["get_weather"]
 
 
-@pytest.mark.parametrize("family", sorted(PARSERS))
-def test_a_streamed_choice_never_shows_a_call_as_text_and_ends_with_the_same_calls(family):
-    text = WRITTEN[family]
-    stream, shown = ToolStream(PARSERS[family]()), ""
-    for i in range(0, len(text), 3):  # deltas of 3 characters, cutting markers anywhere
-        shown += stream.feed(text[i:i + 3])
+def assemble(deltas: list[dict], calls: dict) -> None:
+    """Take tool_calls deltas into {index: [id, name, arguments]}, as a client does."""
+    for d in deltas:
+        call = calls.setdefault(d["index"], [None, None, ""])
+        if "id" in d:
+            assert call[0] is None  # a call's id and name come once, first
+            call[0], call[1] = d["id"], d["function"]["name"]
+        call[2] += d["function"]["arguments"]
+
+
+def streamed(parser, text: str, cuts) -> tuple[str, dict, bool, int]:
+    """(content, calls, whether it called, events with call deltas before the last) of `text` fed in
+    pieces ending at `cuts`."""
+    stream, shown, calls, early = ToolStream(parser), "", {}, 0
+    for a, b in zip([0, *cuts], [*cuts, len(text)]):
+        content, deltas = stream.feed(text[a:b])
+        shown += content
         assert "<tool" not in shown and "[TOOL" not in shown and '"name"' not in shown
-    rest, calls = stream.finish()
+        assemble(deltas, calls)
+        early += bool(deltas)
+    rest, deltas, called = stream.finish()
+    assemble(deltas, calls)
+    return shown + rest, calls, called, early
+
+
+@pytest.mark.parametrize("family", sorted(PARSERS))
+def test_a_streamed_choice_never_shows_a_call_as_text_and_streams_the_unary_calls(family):
+    text = WRITTEN[family]
+    shown, calls, called, early = streamed(PARSERS[family](), text, range(3, len(text), 3))  # markers cut anywhere
     whole, want = PARSERS[family]().parse(text)
-    assert shown + rest == whole and [(c.name, c.arguments) for c in calls] == [(c.name, c.arguments) for c in want]
+    assert shown == whole and called
+    assert [(name, args) for _, name, args in calls.values()] == [(c.name, c.arguments) for c in want]
+    assert early > 4  # the calls went out as they were written, not with the last event
+
+
+CALLS = [  # what models write, awkward parts included, and the (content, calls) the answer reads there
+    ('<tool_call>\n{"name": "a", "arguments": {"q": "} { \\" ]", "n": [1, {"x": null}], "t": true}}\n</tool_call>'
+     '<tool_call>{"arguments": {"k": -1.5e3}, "name": "b"}</tool_call>',  # braces, escapes in strings; key order
+     "", [("a", '{"q": "} { \\" ]", "n": [1, {"x": null}], "t": true}'), ("b", '{"k": -1.5e3}')]),
+    ('<tool_call>\n{"name": "a", "arguments": "{\\"q\\": 1}"}\n</tool_call>', "", [("a", '{"q": 1}')]),  # JSON in a string
+    ('<tool_call>\n{"name": "a", "arguments": {"q": "cut off mid-way', "", [("a", '{"q": "cut off mid-way')]),
+    ('Sure: <tool_call>{"name": "a"}</tool_call> and after', "Sure: ", [("a", "{}")]),
+    ('<tool_call>{"nam": "no name"}</tool_call><tool_call>{"name": "b", "arguments": {}}</tool_call>', None, []),
+]
+
+
+@pytest.mark.parametrize("text, content, calls", CALLS)
+def test_however_a_choice_is_cut_its_stream_assembles_into_the_unary_answer(text, content, calls):
+    import random
+
+    parser, rng = PARSERS["hermes"](), random.Random(len(text))
+    got, want = parser.parse(text)
+    assert (got, [(c.name, c.arguments) for c in want]) == (text if content is None else content, calls)
+    for trial in range(40):
+        cuts = sorted(rng.sample(range(1, len(text)), k=min(len(text) - 1, trial % 9 + 1))) if trial else []
+        shown, assembled, called, _ = streamed(parser, text, cuts)
+        assert shown == got and called == bool(calls)
+        assert [(name, args) for _, name, args in assembled.values()] == calls
 
 
 def test_the_choice_names_the_tools_a_call_must_go_to():
@@ -256,104 +304,6 @@ def test_kept_specials_change_nothing_else_in_the_text(marker_pair):
         if tag not in ids:  # a kept special the output lacks changes nothing
             assert text(keep_special_token_ids=[tag]) == text()
         assert text(skip_special_tokens=False) == tok.decode(ids, skip_special_tokens=False)
-
-
-class Chunks:
-    """A job's chunks as a target replica streams them."""
-
-    def __init__(self, chunks: list):
-        self.chunks = chunks
-
-    def __aiter__(self):
-        return self
-
-    async def __anext__(self):
-        if not self.chunks:
-            raise StopAsyncIteration
-        return self.chunks.pop(0)
-
-    async def aclose(self):
-        pass
-
-
-def engine_chunks(tok, ids: list[int], start) -> list[dict]:
-    """What the engine streams of a job whose output is `ids`, a token a round (a cut anywhere), from where
-    `start` (a ResumeState) stands, as app/request.py reads text."""
-    from app.params import SamplingParams
-    from app.request import RequestState
-
-    s = RequestState("r", [5], SamplingParams(max_tokens=len(ids)), tok, 4096, output_ids=start.output_ids,
-                     streamed_chars=start.streamed_chars)
-    out, at = [], len(start.output_ids)
-    while not s.finished:
-        kept = s.append(ids[at:at + 1])
-        at += len(kept)
-        out.append({"token_ids": kept, "text": s.take_delta()})
-    out[-1].update(finish_reason=s.finish_reason, speculation=s.stats.summary())
-    return out
-
-
-def tool_stream_events(tok, parser, ids: list[int], start) -> list[str]:
-    """The ingress's SSE messages for one chat choice with tools, reporting state for the failover."""
-    import asyncio
-
-    from app.openai_responses import ChoiceView
-    from deployments.streams import sse_events
-
-    chunks = engine_chunks(tok, ids, start)
-
-    async def go():
-        deadline = asyncio.get_running_loop().time() + 60
-        gen = sse_events("chatcmpl-1", "m", [0], chunks[:1], [Chunks(chunks[1:])],
-                         [ChoiceView(tok, chat=True, logprobs=False)], deadline, 60.0, True, False, 1, False,
-                         lambda spec: None, starts=[start], tools=parser)
-        return [message async for message in gen]
-    return asyncio.run(asyncio.wait_for(go(), 30))
-
-
-def client_view(messages: list[str]) -> tuple[str, list, str | None]:
-    """What a client reads of SSE messages: the content, the calls (name, arguments), the finish."""
-    from deployments.failover import MARKER
-
-    content, calls, finish = "", [], None
-    for event in "".join(messages).split("\n\n"):
-        if event.startswith("data: {") and not event.startswith(MARKER.decode()):
-            choice = json.loads(event[6:])["choices"][0]
-            content += choice["delta"].get("content") or ""
-            calls += [(c["function"]["name"], c["function"]["arguments"]) for c in choice["delta"].get("tool_calls") or []]
-            finish = choice["finish_reason"] or finish
-    return content, calls, finish
-
-
-RESUMED = {**WRITTEN, "llama3_json text": 'Sure {"name": "get_time", "parameters": {"zone": 1}}'}
-
-
-@pytest.mark.parametrize("case", sorted(RESUMED))
-def test_a_tool_stream_cut_after_any_event_resumes_into_the_undisturbed_stream(case):
-    """The proxy resumes a cut stream from the state the ingress reported beside each event
-    (deployments/failover.py). Before, a stream with tools reported the text it had received, held
-    text included: cut while a call was held back, it resumed after it, and the client got the
-    call's tail as content and no call. A format whose call is the whole output must not find one
-    after text already sent ("llama3_json text")."""
-    from app.chunks import ResumeState
-    from deployments.failover import MARKER, Resume
-
-    tok = make_byte_tokenizer()
-    parser = PARSERS[case.split()[0]]()
-    ids = tok.encode(RESUMED[case], add_special_tokens=False)
-    whole = tool_stream_events(tok, parser, ids, ResumeState(seed=0))
-    want = client_view(whole)
-    assert want == (parser.parse(RESUMED[case])[0] if want[1] else RESUMED[case], want[1], want[2])
-    assert bool(want[1]) == (case != "llama3_json text")
-    for cut in range(1, len(whole) - 2):  # after the stream's head and before its last event
-        state = Resume(rid="chatcmpl-1", choices=[ResumeState(seed=0)])
-        for message in whole[:cut]:
-            for event in message.split("\n\n"):
-                if event.startswith(MARKER.decode()) and '"i"' in event:
-                    state.apply(json.loads(event[len(MARKER):]))
-        rest = tool_stream_events(tok, parser, ids, state.choices[0].model_copy(deep=True))
-        got = client_view(whole[:cut] + rest[1:])  # the resumed attempt's head goes to the proxy only
-        assert got == want, cut
 
 
 @pytest.mark.parametrize("choice", ["auto", "required"])
