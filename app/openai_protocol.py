@@ -239,18 +239,39 @@ class TextPart(BaseModel):
     text: str
 
 
+class CalledFunction(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    name: str = Field(max_length=64)
+    arguments: str | dict = Field(description="JSON text of the arguments (an object is taken as is).")
+
+
+class AssistantCall(BaseModel):
+    """One of an assistant message's calls, as an answer gave it and a client sends it back."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    id: str = Field(max_length=256)
+    type: Literal["function"] = "function"
+    function: CalledFunction
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
     role: Literal["system", "user", "assistant", "tool", "developer"]
     content: str | list[TextPart] | None = Field(None, description="None only beside an assistant's tool_calls.")
-    tool_calls: list[dict] | None = Field(None, max_length=128, description="An assistant's calls (OpenAI's shape).")
+    tool_calls: list[AssistantCall] | None = Field(None, max_length=128, description="An assistant's calls.")
     tool_call_id: str | None = Field(None, max_length=256, description="A tool result: the call it answers.")
 
     @model_validator(mode="after")
     def _content_or_calls(self):
         if self.content is None and not self.tool_calls:
             raise ValueError("a message needs content (or, from the assistant, tool_calls)")
+        if self.role == "tool" and self.tool_call_id is None:
+            raise ValueError("a tool message needs the tool_call_id of the call it answers")
+        if self.tool_calls and self.role != "assistant":
+            raise ValueError("only an assistant message has tool_calls")
         return self
 
     def for_template(self, parts: bool = False) -> dict:
@@ -265,7 +286,7 @@ class ChatMessage(BaseModel):
             out = {"role": self.role,
                    "content": content if isinstance(content, str) else "\n".join(p.text for p in content)}
         if self.tool_calls:
-            out["tool_calls"] = [template_call(c) for c in self.tool_calls]
+            out["tool_calls"] = [template_call(c.model_dump()) for c in self.tool_calls]
         if self.tool_call_id is not None:
             out["tool_call_id"] = self.tool_call_id
         return out

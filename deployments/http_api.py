@@ -107,7 +107,14 @@ async def _internal(request: Request, exc: Exception):
 
 
 def invalid(errors: list[dict]) -> APIError:
-    """pydantic errors as a 400 naming the first bad parameter."""
+    """pydantic errors as a 400 naming the first bad parameter: the fields of its location, without
+    list indices and without the union members pydantic tried (`str`, `literal['none','auto']`, a
+    model's class name), which are no field a client sent."""
     err = errors[0]
-    param = ".".join(str(p) for p in err.get("loc", ()) if p != "body" and not isinstance(p, int)) or None
+    param = ".".join(str(p) for p in err.get("loc", ()) if p != "body" and not isinstance(p, int)
+                     and not _union_member(str(p))) or None
     return APIError(400, f"invalid {param or 'request'}: {err.get('msg')}", "invalid_request_error", param)
+
+
+def _union_member(part: str) -> bool:
+    return "[" in part or part[:1].isupper() or part in ("str", "int", "float", "bool", "dict", "list", "none")

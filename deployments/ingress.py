@@ -352,6 +352,11 @@ class Ingress:
             raise InvalidRequestError("give one output constraint, not tool_choice and an output format",
                                       param="tool_choice")
         grammar = self._reader(body).grammar(must, body.parallel_tool_calls)
+        try:  # checked here, where the tools are known: the engine would name the grammar, not them
+            self.grammars.check(grammar)
+        except InvalidRequestError as e:
+            raise InvalidRequestError("a call of these tools cannot be forced: "
+                                      f"{str(e).removeprefix('invalid response_format: ')}", param="tools") from None
         return sampling.model_copy(update={"response_format": {"type": "grammar", "grammar": grammar}})
 
     def _reader(self, body):

@@ -235,3 +235,21 @@ def test_stop_token_ids_end_generation_under_speculation(target_model, tokenizer
     with pytest.raises(InvalidRequestError) as e:
         parse_sampling({"stop_token_ids": [-1]})
     assert e.value.param == "stop_token_ids"
+
+
+def test_a_bad_value_in_a_union_field_names_the_field_not_the_members_tried():
+    from pydantic import ValidationError
+
+    from deployments.http_api import invalid
+
+    chat = {"model": "target", "messages": [{"role": "user", "content": "hi"}]}
+    for body, model_cls, param in [({**chat, "tools": [], "tool_choice": "sometimes"}, ChatCompletionRequest,
+                                    "tool_choice"),
+                                   ({**chat, "messages": [{"role": "user", "content": 5}]}, ChatCompletionRequest,
+                                    "messages.content"),
+                                   ({"model": "target", "prompt": {"a": 1}}, CompletionRequest, "prompt"),
+                                   ({"model": "target", "prompt": "x", "logit_bias": {"5": "x"}}, CompletionRequest,
+                                    "logit_bias.5")]:
+        with pytest.raises(ValidationError) as e:
+            model_cls.model_validate(body)
+        assert invalid(e.value.errors()).param == param

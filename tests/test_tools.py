@@ -8,7 +8,8 @@ import jsonschema
 import pytest
 
 from app.engine import Engine
-from app.grammar import grammar_of
+from app.errors import InvalidRequestError
+from app.grammar import Grammars, grammar_of
 from app.params import parse_sampling
 from app.runner import ModelRunner
 from app.tools import PARSERS, NamedToolChoice, Tool, ToolStream, enforced_tools, special_markers
@@ -316,12 +317,38 @@ def test_a_request_offering_tools_keeps_its_formats_special_markers_in_its_text(
     from deployments.ingress import Ingress
 
     tok, tc = marker_pair[0], marker_pair[0].convert_tokens_to_ids("[TOOL_CALLS]")
-    me = SimpleNamespace(tool_parser=PARSERS["mistral"], tool_markers=special_markers(tok, PARSERS["mistral"]))
+    me = SimpleNamespace(tool_parser=PARSERS["mistral"], tool_markers=special_markers(tok, PARSERS["mistral"]),
+                         grammars=Grammars(tok, len(tok)))
     me._reader = lambda body: Ingress._reader(me, body)
-    body = ChatCompletionRequest.model_validate({"model": "m", "messages": [{"role": "user", "content": "hi"}],
-                                                 "tools": [WEATHER.model_dump()], "tool_choice": choice})
-    sampling = Ingress._tool_constraint(me, body, SamplingParams())
+
+    def constrained(tools: list[dict]):
+        body = ChatCompletionRequest.model_validate({"model": "m", "messages": [{"role": "user", "content": "hi"}],
+                                                     "tools": tools, "tool_choice": choice})
+        return Ingress._tool_constraint(me, body, SamplingParams())
+    sampling = constrained([WEATHER.model_dump()])
     assert sampling.keep_special_token_ids == [tc] and sampling.skip_special_tokens
     assert (sampling.response_format is None) == (choice == "auto")
     if choice == "required":
         assert sampling.response_format["grammar"].startswith(f"start: <[{tc}]> calls")
+        # a schema no grammar compiles: a 400 naming the tools, which the client sent, not a response_format
+        bad = {"type": "function", "function": {"name": "f", "parameters": {"properties": {"a": {"type": "strin"}}}}}
+        with pytest.raises(InvalidRequestError, match="cannot be forced.*strin") as e:
+            constrained([bad])
+        assert e.value.param == "tools"
+
+
+def test_messages_with_calls_and_results_are_checked_as_openai_checks_them():
+    from pydantic import ValidationError
+
+    from app.openai_protocol import ChatCompletionRequest
+
+    call = {"id": "call_1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+    ask = {"role": "user", "content": "hi"}
+    for messages in ([ask, {"role": "assistant", "tool_calls": [call]}, {"role": "tool", "content": "r"}],  # no id
+                     [ask, {"role": "assistant", "tool_calls": [{"id": 1, "function": "f"}]}],  # not a call
+                     [{"role": "user", "content": "hi", "tool_calls": [call]}]):  # calls from a user
+        with pytest.raises(ValidationError):
+            ChatCompletionRequest.model_validate({"model": "m", "messages": messages})
+    body = ChatCompletionRequest.model_validate({"model": "m", "messages": [
+        ask, {"role": "assistant", "tool_calls": [call]}, {"role": "tool", "tool_call_id": "call_1", "content": "r"}]})
+    assert body.messages[1].for_template()["tool_calls"] == [{**call, "function": {"name": "f", "arguments": {}}}]
