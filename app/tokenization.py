@@ -6,6 +6,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from app.errors import InvalidRequestError
 from app.openai_protocol import ChatMessage, chat_prompt_ids
 from app.params import MAX_TOKEN_ID
+from app.tools import MAX_TOOLS, Tool
 
 MAX_DETOKENIZE = 1 << 20  # token ids one /detokenize may send (the body limit bounds it first)
 
@@ -28,6 +29,8 @@ class TokenizeChatRequest(BaseModel):
     continue_final_message: bool = Field(False, description="Leave the last message open (to be continued).")
     add_special_tokens: bool = Field(False, description="Special tokens on top of what the template adds.")
     return_token_strs: bool = Field(False, description="Also return each token's string.")
+    tools: list[Tool] | None = Field(None, max_length=MAX_TOOLS, description="Tools offered, rendered by the "
+                                                                             "template as a chat completion's are.")
 
     @model_validator(mode="after")
     def _one_ending(self):
@@ -46,8 +49,9 @@ class DetokenizeRequest(BaseModel):
 def tokenize(tokenizer, body: TokenizeCompletionRequest | TokenizeChatRequest, max_model_len: int) -> dict:
     """{count, max_model_len, tokens, token_strs}: what the server generates from for this prompt or chat."""
     if isinstance(body, TokenizeChatRequest):
+        tools = [t.model_dump(exclude_none=True) for t in body.tools] if body.tools else None
         ids = chat_prompt_ids(tokenizer, body.messages, body.add_generation_prompt, body.continue_final_message,
-                              body.add_special_tokens)
+                              body.add_special_tokens, tools=tools)
     else:
         ids = tokenizer(body.prompt, add_special_tokens=body.add_special_tokens)["input_ids"]
     strs = tokenizer.convert_ids_to_tokens(ids) if body.return_token_strs else None

@@ -42,6 +42,19 @@ def test_a_chat_tokenizes_as_a_chat_completion_renders_it(chat_tokenizer):
         TokenizeChatRequest(messages=messages, continue_final_message=True)  # and a generation prompt: which?
 
 
+def test_a_chat_with_tools_counts_the_tools_the_template_renders(chat_tokenizer):
+    """As a chat completion offering them renders them: a client budgets its context with this count."""
+    from app.openai_protocol import ChatCompletionRequest
+
+    chat_tokenizer.chat_template = "{% for t in tools or [] %}tool {{ t.function.name }}\n{% endfor %}" + TEMPLATE
+    tools = [{"type": "function", "function": {"name": "get_time", "parameters": {"type": "object"}}}]
+    body = ChatCompletionRequest.model_validate({"model": "m", "messages": [{"role": "user", "content": "hi"}],
+                                                 "tools": tools})
+    out = tokenize(chat_tokenizer, TokenizeChatRequest.model_validate({"messages": body.messages, "tools": tools}), 512)
+    assert out["tokens"] == chat_prompt_ids(chat_tokenizer, body.messages, tools=body.tool_dicts())
+    assert chat_tokenizer.decode(out["tokens"]).startswith("tool get_time\n")
+
+
 def test_detokenize_gives_the_text_back_and_refuses_ids_the_model_lacks(tokenizer):
     ids = tokenizer("hello")["input_ids"]
     assert detokenize(tokenizer, DetokenizeRequest(tokens=ids), len(tokenizer)) == {"prompt": "hello"}
