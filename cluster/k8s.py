@@ -199,8 +199,8 @@ API_KEY = {"SPECSERVE_API_KEY": ("specserve-api", "key", False)}
 DEV = Variant(
     file="ray-service.dev-cpu.yaml", name="specserve-dev",
     header="""
-specserve dev cluster, CPU only: the demo draft/target pair, built into the image (k8s/Dockerfile,
-DEMO=1), on any Kubernetes (kind, minikube, a laptop). Needs ~9 CPUs and ~20 GiB for all pods at
+specserve dev cluster, CPU only: the reference pair (SmolLM2-135M-Instruct and its draft), built into the
+image (k8s/Dockerfile, DEMO=1), on any Kubernetes (kind, minikube, a laptop). Needs ~9 CPUs and ~20 GiB for all pods at
 their maximum; nothing else. The API key secret `specserve-api` is optional here (no key = no auth).
 """,
     draft=Pool("draft", DRAFT_POOL, cpu="2", memory="4Gi", min_pods=1, max_pods=2),

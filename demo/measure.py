@@ -16,7 +16,7 @@ from transformers import PreTrainedModel
 
 from demo.corpus import load_heldout_prompts
 from app.hf_compat import returned_cache, with_cache
-from app.runner import load_model
+from app.runner import eos_ids, load_model
 
 
 def distinct_ngrams(tokens: list[int], n: int = 4) -> float:
@@ -38,13 +38,36 @@ def replay_rounds(agree: list[bool], k: int) -> tuple[int, int]:
     return len(agree), rounds
 
 
+def acceptance_by_position(agrees: list[list[bool]], k: int) -> list[float]:
+    """Greedy rounds of K replayed over each text: the share of rounds that reach draft position i
+    (1-based) and accept it, for i = 1..K (what vLLM reports as per-position acceptance)."""
+    reached, accepted = [0] * k, [0] * k
+    for agree in agrees:
+        i = 0
+        while i < len(agree):
+            run = 0
+            while run < k and i + run < len(agree):
+                reached[run] += 1
+                if not agree[i + run]:
+                    break
+                accepted[run] += 1
+                run += 1
+            i += run + 1
+    rounds = reached[0]
+    return [a / max(1, rounds) for a in accepted]
+
+
 @torch.no_grad()
-def greedy_continuation(model: PreTrainedModel, ids: torch.Tensor, n: int) -> torch.Tensor:
-    """The target's greedy continuation of ids [1, S]. Returns [n]."""
+def greedy_continuation(model: PreTrainedModel, ids: torch.Tensor, n: int, eos: frozenset[int] = frozenset()
+                        ) -> torch.Tensor:
+    """The target's greedy continuation of ids [1, S], up to n tokens and up to (with) the first in
+    `eos`, where serving stops. Returns [<= n]."""
     out = model(ids, use_cache=True)
     cache, tok, toks = returned_cache(out), out.logits[:, -1].argmax(-1, keepdim=True), []
     for _ in range(n):
         toks.append(tok)
+        if int(tok) in eos:
+            break
         out = model(tok, use_cache=True, **with_cache(model, cache))
         cache, tok = returned_cache(out), out.logits[:, -1].argmax(-1, keepdim=True)
     return torch.cat(toks, dim=1)[0]
@@ -85,16 +108,30 @@ def heldout_loss(model_dir: str, windows: int = 32, length: int = 256) -> float:
     return torch.nn.functional.cross_entropy(logits.flatten(0, 1), x[:, 1:].flatten()).item()
 
 
-def measure_pair(target_dir: str, draft_dir: str, k: int = 4, new_tokens: int = 64) -> dict:
-    """τ at K (greedy, held-out prompts), cost ratio c and parameter counts of a saved pair."""
+def prompt_ids(tok, prompt: dict) -> torch.Tensor:
+    """A held-out prompt's ids [1, S]: a chat prompt through the chat template, others as raw text."""
+    if prompt["kind"] == "chat":
+        ids = tok.apply_chat_template([{"role": "user", "content": prompt["prompt"]}], add_generation_prompt=True,
+                                      tokenize=True, return_dict=True)["input_ids"]
+        return torch.tensor([ids])
+    return tok(prompt["prompt"], return_tensors="pt").input_ids
+
+
+def measure_pair(target_dir: str, draft_dir: str, k: int = 4, new_tokens: int = 64,
+                 prompts: list[dict] | None = None) -> dict:
+    """τ at K (greedy, held-out prompts: the demo's unless given), acceptance by draft position, cost
+    ratio c and parameter counts of a saved pair."""
     target, tok = load_model(target_dir, dtype="auto")  # bf16 only where this CPU does it natively
     draft, _ = load_model(draft_dir, dtype="auto")
-    emitted, rounds, by_kind, distinct = 0, 0, {}, []
-    for p in load_heldout_prompts():
-        ids = tok(p["prompt"], return_tensors="pt").input_ids
-        cont = greedy_continuation(target, ids, new_tokens)
+    emitted, rounds, by_kind, distinct, agree_all = 0, 0, {}, [], []
+    stops = eos_ids(target.generation_config, tok)
+    for p in prompts or load_heldout_prompts():
+        ids = prompt_ids(tok, p)
+        cont = greedy_continuation(target, ids, new_tokens, stops)
         distinct.append(distinct_ngrams(cont.tolist()))
-        e, r = replay_rounds(agreement(draft, ids, cont), k)
+        agree = agreement(draft, ids, cont)
+        agree_all.append(agree)
+        e, r = replay_rounds(agree, k)
         emitted, rounds = emitted + e, rounds + r
         ke, kr = by_kind.get(p["kind"], (0, 0))
         by_kind[p["kind"]] = (ke + e, kr + r)
@@ -103,6 +140,8 @@ def measure_pair(target_dir: str, draft_dir: str, k: int = 4, new_tokens: int = 
         "k": k,
         "tau": emitted / rounds,
         "tau_by_kind": {kind: e / r for kind, (e, r) in by_kind.items()},
+        "acceptance_by_position": acceptance_by_position(agree_all, k),
+        "alpha": sum(map(sum, agree_all)) / max(1, sum(map(len, agree_all))),
         "distinct_4grams": statistics.mean(distinct),
         "target_step_ms": target_ms,
         "draft_step_ms": draft_ms,

@@ -19,14 +19,14 @@ from deployments.servers import DraftServer, TargetServer
 
 
 def resolve_models(cfg: AppConfig) -> tuple[str, str | None]:
-    """Model paths; unnamed models come from the demo pair (built on first use)."""
+    """Model paths; unnamed models come from the built pair `cfg.pair` (built on first use)."""
     target, draft = cfg.target.model, cfg.draft.model if cfg.draft else None
     if target is None or (cfg.draft is not None and draft is None):
-        from demo import demo_pair
+        from demo import pair
 
-        demo_target, demo_draft = demo_pair(quick=cfg.demo_quick)
-        target = target or demo_target
-        draft = draft or (demo_draft if cfg.draft is not None else None)
+        pair_target, pair_draft = pair(cfg.pair)
+        target = target or pair_target
+        draft = draft or (pair_draft if cfg.draft is not None else None)
     return target, draft
 
 

@@ -10,7 +10,7 @@ from app.config import ModelSettings, SpeculationSettings
 class ModelConfig(ModelSettings):
     """One model of the pair: where it comes from, and its settings (app/config.py)."""
 
-    model: str | None = Field(None, description="Hub id or local directory; None = the demo pair's model.")
+    model: str | None = Field(None, description="Hub id or local directory; None = the built pair's model (`pair`).")
 
 
 class TargetConfig(ModelConfig):
@@ -70,7 +70,9 @@ class AppConfig(BaseModel):
 
     target: TargetConfig = Field(default_factory=TargetConfig, description="The target model.")
     draft: ModelConfig | None = Field(default_factory=ModelConfig, description="The draft; null = no speculation.")
-    demo_quick: bool = Field(False, description="Use the small quick demo pair when no model is named.")
+    pair: Literal["smollm2", "demo", "quick"] = Field(
+        "smollm2", description="The built pair whose models serve when none is named (demo/__init__.py): smollm2 "
+        "(SmolLM2-135M-Instruct and its distilled draft), demo (a toy trained on the standard library) or quick.")
     served_model_name: str | None = Field(None, description="Name in /v1/models; default: the target's name.")
     tool_call_parser: Literal["hermes", "llama3_json", "mistral"] | None = Field(
         None, description="How the target writes tool calls (app/tools.py): hermes (Hermes, Qwen 2.5), llama3_json "

