@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Times a new user's first run: a fresh clone of this repository, an empty demo cache and no pip
+# Times a new user's first run: a fresh clone of this repository, an empty model cache and no pip
 # cache, `make serve` until the first completion comes back; then stops the app it started.
 #   cluster/first_run.sh            # this CPU as it is
 #   cluster/first_run.sh avx2       # torch, oneDNN and MKL restricted to AVX2: a CPU without native bf16
@@ -23,7 +23,7 @@ trap 'kill -INT -- -$pid 2>/dev/null || true' EXIT
 installed="" built=""
 for _ in $(seq 1 2400); do  # at most 20 minutes
   if [ -z "$installed" ] && grep -qa "bin/specserve serve" "$log"; then installed=$(since); echo "installed after $installed s"; fi
-  if [ -z "$built" ] && grep -qa "starting a local Ray cluster" "$log"; then built=$(since); echo "demo pair built after $built s"; fi
+  if [ -z "$built" ] && grep -qa "starting a local Ray cluster" "$log"; then built=$(since); echo "pair ready after $built s"; fi
   if curl -sf -m 30 127.0.0.1:8000/v1/completions -H 'Content-Type: application/json' \
        -d '{"model": "target", "prompt": "def fibonacci(n):", "max_tokens": 1, "temperature": 0}' >/dev/null 2>&1; then
     echo "first token after $(since) s"

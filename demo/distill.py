@@ -133,9 +133,11 @@ class DraftRecipe:
 RECIPE = DraftRecipe()
 
 
-def build_draft(target_dir: Path, out: Path, work: Path, recipe: DraftRecipe = RECIPE) -> dict:
+def build_draft(target_dir: Path, out: Path, work: Path, recipe: DraftRecipe = RECIPE,
+                observe: Callable[[LlamaForCausalLM, int, float], None] | None = None) -> dict:
     """Generate the teacher text (resumable, under work/), distill a draft from it, save it to out/
-    in bfloat16 with the target's tokenizer and a record of the recipe. Returns the record."""
+    in bfloat16 with the target's tokenizer and a record of the recipe. Returns the record.
+    `observe(draft, step, loss)` after each step: a trial's checkpoints and held-out figures."""
     from dataclasses import asdict
 
     from tqdm.auto import tqdm
@@ -168,6 +170,8 @@ def build_draft(target_dir: Path, out: Path, work: Path, recipe: DraftRecipe = R
     def step_done(loss: float) -> None:
         bar.update(1)
         bar.set_postfix(loss=f"{loss:.3f}")
+        if observe:
+            observe(draft, bar.n, loss)
 
     distill(draft, paths, recipe.plan, bf16, step_done)
     bar.close()
