@@ -58,7 +58,7 @@ def test_greedy_speculative_equals_plain_equals_hf_generate(pair):
         mismatched = [i for i, (g, w) in enumerate(zip(got, want)) if g != w]
         assert not mismatched, f"K={k}: prompts {mismatched} differ from HF generate"
         if k == 4:
-            drafted = sum(r.speculation["drafted"] for r in engine.generate(prompts[:4], params))
+            drafted = sum(r.speculation["drafted_tokens"] for r in engine.generate(prompts[:4], params))
             assert drafted > 0  # the draft really ran
 
 
@@ -92,7 +92,7 @@ def test_sampled_output_has_the_targets_distribution_through_http(pair):
             r.raise_for_status()
             body = r.json()
             content = body["choices"][0]["logprobs"]["content"]
-            return (content[0]["token"], content[1]["token"]), body["speculation"]["drafted"]
+            return (content[0]["token"], content[1]["token"]), body["speculation"]["drafted_tokens"]
 
         with concurrent.futures.ThreadPoolExecutor(8) as pool:
             results = list(pool.map(one, range(n)))
