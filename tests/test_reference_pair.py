@@ -48,13 +48,15 @@ def test_greedy_speculative_equals_plain_equals_hf_generate(pair):
         for ids in prompts:
             out = model.generate(torch.tensor([ids]), max_new_tokens=NEW_TOKENS, do_sample=False, top_p=None,
                                  top_k=None, temperature=None, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
-            want.append(out[0, len(ids):].tolist())
+            new = out[0, len(ids):].tolist()
+            # HF keeps the eos it stopped on; a served answer ends before it (finish_reason "stop")
+            want.append((new[:-1], "stop") if new[-1] == tok.eos_token_id else (new, "length"))
     del model
     engine = Engine.from_pretrained(target, draft, dtype="float32")
     for k in ("off", 4, "auto"):
         params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0,
                                 speculation={"enabled": False} if k == "off" else {"num_tokens": k})
-        got = [r.token_ids for r in engine.generate(prompts, params)]
+        got = [(r.token_ids, r.finish_reason) for r in engine.generate(prompts, params)]
         mismatched = [i for i, (g, w) in enumerate(zip(got, want)) if g != w]
         assert not mismatched, f"K={k}: prompts {mismatched} differ from HF generate"
         if k == 4:
