@@ -17,7 +17,6 @@ from __future__ import annotations
 import json
 import math
 import random
-import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -144,6 +143,7 @@ def build_draft(target_dir: Path, out: Path, work: Path, recipe: DraftRecipe = R
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from app import dtypes
+    from demo.smollm2 import copy_tokenizer
     from demo.teacher_text import generate_shards
 
     bf16 = dtypes.native_bf16("cpu")
@@ -180,9 +180,7 @@ def build_draft(target_dir: Path, out: Path, work: Path, recipe: DraftRecipe = R
     bar.close()
     out.mkdir(parents=True, exist_ok=True)
     draft.to(torch.bfloat16).save_pretrained(out)
-    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
-        if (target_dir / name).exists():
-            shutil.copy2(target_dir / name, out / name)
+    copy_tokenizer(target_dir, out)
     record = {"recipe": asdict(recipe), "teacher_tokens": tokens[0], "compute_dtype": "bfloat16" if bf16 else "float32",
               "cpu_capability": torch.backends.cpu.get_cpu_capability(), "threads": torch.get_num_threads(),
               "seconds": {"teacher_text": round(t_text - t0), "distill": round(time.time() - t_text)}}

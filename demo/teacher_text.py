@@ -71,7 +71,8 @@ def _left_pad(rows: list[list[int]], pad: int) -> tuple[torch.Tensor, torch.Tens
 
 @torch.no_grad()
 def _generate(model, prompts: list[list[int]], new_tokens: int, eos: int, pad: int, temperature: float,
-              gen: torch.Generator | None, top_k: int) -> tuple[list[list[int]], list[torch.Tensor], list[torch.Tensor]]:
+              gen: torch.Generator | None, top_k: int
+              ) -> tuple[list[list[int]], list[torch.Tensor], list[torch.Tensor]]:
     """Continue each prompt (one batch, left-padded); returns each row's generated ids (up to and
     with its eos) and the target's top-k log-probabilities at each generated position."""
     ids, mask = _left_pad(prompts, pad)
@@ -157,7 +158,8 @@ def code_prompts(n: int, max_chars: int, rng: random.Random) -> list[str]:
 def code_shard(model, tok, plan: TextPlan, rng: random.Random, gen: torch.Generator) -> Shard:
     """A batch of standard-library function heads and the target's greedy continuations."""
     eos, pad = tok.eos_token_id, tok.pad_token_id
-    prompts = [tok(p, add_special_tokens=False).input_ids for p in code_prompts(plan.batch, plan.code_prompt_chars, rng)]
+    heads = code_prompts(plan.batch, plan.code_prompt_chars, rng)
+    prompts = [tok(p, add_special_tokens=False).input_ids for p in heads]
     answers, ti, tl = _generate(model, prompts, plan.code_tokens, eos, pad, 0.0, gen, plan.top_k)
     return _shard(prompts, answers, ti, tl, pad, plan.top_k)
 

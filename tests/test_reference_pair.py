@@ -47,7 +47,8 @@ def test_greedy_speculative_equals_plain_equals_hf_generate(pair):
     with torch.no_grad():
         for ids in prompts:
             out = model.generate(torch.tensor([ids]), max_new_tokens=NEW_TOKENS, do_sample=False, top_p=None,
-                                 top_k=None, temperature=None, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+                                 top_k=None, temperature=None, eos_token_id=tok.eos_token_id,
+                                 pad_token_id=tok.pad_token_id)
             new = out[0, len(ids):].tolist()
             # HF keeps the eos it stopped on; a served answer ends before it (finish_reason "stop")
             want.append((new[:-1], "stop") if new[-1] == tok.eos_token_id else (new, "length"))
