@@ -10,7 +10,7 @@ HF model directory.
     measure_pair(target_dir, draft_dir, k=4)    # tau, cost ratio c, parameter counts
 """
 
-from demo.build import build_cli, demo_pair, pair_dir
+from demo.build import demo_pair, pair_dir
 from demo.corpus import load_heldout_prompts, write_heldout_prompts
 from demo.measure import measure_pair
 
@@ -27,6 +27,33 @@ def pair(name: str = DEFAULT_PAIR, cache_dir: str | None = None) -> tuple[str, s
     if name not in PAIRS:
         raise ValueError(f"unknown pair {name!r}: one of {', '.join(PAIRS)}")
     return demo_pair(quick=name == "quick", cache_dir=cache_dir)
+
+
+def build_cli(args) -> int:
+    """`specserve demo-models`: build (if needed) the pair, then print where it is and how it does."""
+    from demo.measure import measure_pair
+
+    name = "quick" if args.quick else getattr(args, "pair", "demo")
+    if name == "smollm2":
+        from demo.smollm2 import load_heldout, smollm2_pair
+
+        target_dir, draft_dir = smollm2_pair(args.cache_dir, rebuild=args.rebuild, distill=args.distill)
+        prompts = load_heldout()
+    else:
+        target_dir, draft_dir = demo_pair(quick=name == "quick", rebuild=args.rebuild, seed=args.seed,
+                                          cache_dir=args.cache_dir)
+        prompts = None
+    print(f"target: {target_dir}\ndraft:  {draft_dir}", flush=True)
+    m = measure_pair(target_dir, draft_dir, prompts=prompts)
+    print(f"params: target {m['target_params'] / 1e6:.1f}M ({m['target_dtype']}), "
+          f"draft {m['draft_params'] / 1e6:.2f}M ({m['draft_dtype']}), "
+          f"ratio {m['target_params'] / m['draft_params']:.1f}x")
+    print(f"greedy mean accepted length tau at K={m['k']}: {m['tau']:.2f} "
+          + " ".join(f"({k} {v:.2f})" for k, v in m["tau_by_kind"].items()))
+    print("acceptance by draft position: " + " ".join(f"{a:.2f}" for a in m["acceptance_by_position"]))
+    print(f"step time: target {m['target_step_ms']:.2f} ms, draft {m['draft_step_ms']:.2f} ms, "
+          f"cost ratio c = {m['c']:.3f}")
+    return 0
 
 
 __all__ = ["DEFAULT_PAIR", "PAIRS", "build_cli", "demo_pair", "load_heldout_prompts", "measure_pair", "pair",

@@ -16,6 +16,7 @@ import torch
 
 from app import dtypes
 from demo import corpus, train
+from demo.cache import cache_root
 from demo.progress import BuildProgress, Costs
 
 BUILD_FORMAT = 4  # bump when a change to the build makes old cached pairs wrong
@@ -30,17 +31,6 @@ COSTS = {  # bf16: a 2-core Xeon with AMX; float32: the same restricted to AVX2 
     ("quick", True): Costs(prepare=3.3, target_step=0.047, gen_batch=0.05, draft_step=0.01),
     ("quick", False): Costs(prepare=3.4, target_step=0.077, gen_batch=0.05, draft_step=0.01),
 }
-
-
-def cache_root(cache_dir: str | None = None) -> Path:
-    """Where demo pairs live: cache_dir, else $SPECSERVE_CACHE, else the user cache dir."""
-    if cache_dir:
-        return Path(cache_dir)
-    if os.environ.get("SPECSERVE_CACHE"):
-        return Path(os.environ["SPECSERVE_CACHE"])
-    import platformdirs
-
-    return Path(platformdirs.user_cache_dir("specserve"))
 
 
 def pair_dir(quick: bool, seed: int, cache_dir: str | None = None) -> Path:
@@ -143,30 +133,3 @@ def build_pair(out: Path, quick: bool = False, seed: int = 0, progress: bool = T
             "cpu_capability": torch.backends.cpu.get_cpu_capability(),
             "phase_seconds": {a: round(phases[b] - phases[a], 1) for a, b in zip(names, names[1:])}}
     (out / MARKER).write_text(json.dumps(info, indent=2))
-
-
-def build_cli(args) -> int:
-    """`specserve demo-models`: build (if needed) the pair, then print where it is and how it does."""
-    from demo.measure import measure_pair
-
-    name = "quick" if args.quick else getattr(args, "pair", "demo")
-    if name == "smollm2":
-        from demo.smollm2 import load_heldout, smollm2_pair
-
-        target_dir, draft_dir = smollm2_pair(args.cache_dir, rebuild=args.rebuild, distill=args.distill)
-        prompts = load_heldout()
-    else:
-        target_dir, draft_dir = demo_pair(quick=name == "quick", rebuild=args.rebuild, seed=args.seed,
-                                          cache_dir=args.cache_dir)
-        prompts = None
-    print(f"target: {target_dir}\ndraft:  {draft_dir}", flush=True)
-    m = measure_pair(target_dir, draft_dir, prompts=prompts)
-    print(f"params: target {m['target_params'] / 1e6:.1f}M ({m['target_dtype']}), "
-          f"draft {m['draft_params'] / 1e6:.2f}M ({m['draft_dtype']}), "
-          f"ratio {m['target_params'] / m['draft_params']:.1f}x")
-    print(f"greedy mean accepted length tau at K={m['k']}: {m['tau']:.2f} "
-          + " ".join(f"({k} {v:.2f})" for k, v in m["tau_by_kind"].items()))
-    print("acceptance by draft position: " + " ".join(f"{a:.2f}" for a in m["acceptance_by_position"]))
-    print(f"step time: target {m['target_step_ms']:.2f} ms, draft {m['draft_step_ms']:.2f} ms, "
-          f"cost ratio c = {m['c']:.3f}")
-    return 0

@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import math
 import random
+import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -132,6 +133,14 @@ class DraftRecipe:
 RECIPE = DraftRecipe()
 
 
+def copy_tokenizer(target: Path, out: Path) -> None:
+    """The target's tokenizer files into a draft's directory: the pair shares one tokenizer."""
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "special_tokens_map.json"):
+        if (target / name).exists():
+            shutil.copy2(target / name, out / name)
+
+
+
 def build_draft(target_dir: Path, out: Path, work: Path, recipe: DraftRecipe = RECIPE,
                 observe: Callable[[LlamaForCausalLM, int, float], None] | None = None) -> dict:
     """Generate the teacher text (resumable, under work/), distill a draft from it, save it to out/
@@ -143,7 +152,6 @@ def build_draft(target_dir: Path, out: Path, work: Path, recipe: DraftRecipe = R
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from app import dtypes
-    from demo.smollm2 import copy_tokenizer
     from demo.teacher_text import generate_shards
 
     bf16 = dtypes.native_bf16("cpu")

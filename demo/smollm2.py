@@ -51,7 +51,7 @@ def say(line: str) -> None:
 
 
 def pair_root(cache_dir: str | None = None) -> Path:
-    from demo.build import cache_root
+    from demo.cache import cache_root
 
     return cache_root(cache_dir) / "smollm2" / f"v{PAIR_FORMAT}"
 
@@ -120,16 +120,11 @@ def convert(wheel: Path, out: Path) -> None:
 def install_shipped_draft(target: Path, out: Path) -> None:
     """The shipped draft's weights beside the target's tokenizer (they share it), with its record."""
     shutil.copytree(SHIPPED_DRAFT, out)
+    from demo.distill import copy_tokenizer
+
     copy_tokenizer(target, out)
     record = json.loads((SHIPPED_DRAFT / "recipe.json").read_text())
     (out / PROVENANCE).write_text(json.dumps({"draft": "shipped with specserve", **record}, indent=2))
-
-
-def copy_tokenizer(target: Path, out: Path) -> None:
-    """The target's tokenizer files into a draft's directory: the pair shares one tokenizer."""
-    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "special_tokens_map.json"):
-        if (target / name).exists():
-            shutil.copy2(target / name, out / name)
 
 
 def _atomic(final: Path, build) -> None:
