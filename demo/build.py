@@ -4,9 +4,6 @@ atomically so that an interrupted build is never taken for a finished one."""
 from __future__ import annotations
 
 import json
-import os
-import shutil
-import tempfile
 import time
 from contextlib import contextmanager
 from dataclasses import asdict
@@ -16,7 +13,7 @@ import torch
 
 from app import dtypes
 from demo import corpus, train
-from demo.cache import cache_root
+from demo.cache import build_atomically, cache_root
 from demo.progress import BuildProgress, Costs
 
 BUILD_FORMAT = 4  # bump when a change to the build makes old cached pairs wrong
@@ -54,17 +51,7 @@ def demo_pair(quick: bool = False, rebuild: bool = False, seed: int = 0,
 
 
 def _build_into(final: Path, quick: bool, seed: int, progress: bool) -> None:
-    final.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=final.parent, prefix=f".{final.name}.building-"))
-    try:
-        build_pair(tmp, quick, seed, progress)
-        if final.exists():  # a rebuild, or a stale partial directory
-            old = final.with_name(f".{final.name}.old-{os.getpid()}")
-            final.rename(old)
-            shutil.rmtree(old, ignore_errors=True)
-        tmp.rename(final)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+    build_atomically(final, lambda out: build_pair(out, quick, seed, progress))
 
 
 @contextmanager

@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import os
+import shutil
+import tempfile
 from pathlib import Path
+from typing import Callable
 
 
 def cache_root(cache_dir: str | None = None) -> Path:
@@ -15,3 +18,20 @@ def cache_root(cache_dir: str | None = None) -> Path:
     import platformdirs
 
     return Path(platformdirs.user_cache_dir("specserve"))
+
+
+def build_atomically(final: Path, build: Callable[[Path], None]) -> None:
+    """`build(out)` into a temporary sibling of `final`, then rename it there: an interrupted build is
+    never taken for a finished one, and a rebuild replaces the old directory only once it is whole."""
+    final.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=final.parent, prefix=f".{final.name}.building-"))
+    try:
+        work = tmp / final.name
+        build(work)
+        if final.exists():  # a rebuild, or a stale partial directory
+            old = final.with_name(f".{final.name}.old-{os.getpid()}")
+            final.rename(old)
+            shutil.rmtree(old, ignore_errors=True)
+        work.rename(final)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)

