@@ -37,7 +37,8 @@ def build_cli(args) -> int:
     if name == "smollm2":
         from demo.smollm2 import load_heldout, smollm2_pair
 
-        target_dir, draft_dir = smollm2_pair(args.cache_dir, rebuild=args.rebuild, distill=args.distill)
+        target_dir, draft_dir = smollm2_pair(args.cache_dir, rebuild=args.rebuild, distill=args.distill,
+                                             device=args.device)
         prompts = load_heldout()
     else:
         target_dir, draft_dir = demo_pair(quick=name == "quick", rebuild=args.rebuild, seed=args.seed,

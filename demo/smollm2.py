@@ -140,11 +140,12 @@ def smollm2_target(cache_dir: str | None = None, rebuild: bool = False) -> str:
     return str(target)
 
 
-def smollm2_pair(cache_dir: str | None = None, rebuild: bool = False, distill: bool = False) -> tuple[str, str]:
+def smollm2_pair(cache_dir: str | None = None, rebuild: bool = False, distill: bool = False,
+                 device: str = "cpu") -> tuple[str, str]:
     """(target_dir, draft_dir) of the reference pair, built on first use.
 
-    The draft is the shipped one, unless `distill`: then the recipe runs here (an hour or more on
-    2 cores, resumable) and its draft is kept under the cache as `draft-distilled`.
+    The draft is the shipped one, unless `distill`: then the recipe runs here on `device` (minutes
+    on a GPU, hours on 2 cores; resumable) and its draft is kept under the cache as `draft-distilled`.
     """
     target = Path(smollm2_target(cache_dir, rebuild))
     root = target.parent
@@ -153,7 +154,7 @@ def smollm2_pair(cache_dir: str | None = None, rebuild: bool = False, distill: b
         if rebuild or not (draft / PROVENANCE).exists():
             from demo.distill import build_draft
 
-            build_atomically(draft, lambda out: build_draft(target, out, work=root / "teacher-text"))
+            build_atomically(draft, lambda out: build_draft(target, out, work=root / "teacher-text", device=device))
         return str(target), str(draft)
     draft = root / "draft"
     if rebuild or not (draft / PROVENANCE).exists():

@@ -69,13 +69,28 @@ def _left_pad(rows: list[list[int]], pad: int) -> tuple[torch.Tensor, torch.Tens
     return ids, mask
 
 
-@torch.no_grad()
+# Rows per `generate` call on a CPU. A GPU takes a whole shard at once; a CPU keeps every step's
+# logits of 1024 rows (26 GB in float32 over 128 steps) in no memory it has.
+CPU_ROWS = 96
+
+
 def _generate(model, prompts: list[list[int]], new_tokens: int, eos: int, pad: int, temperature: float,
               gen: torch.Generator | None, top_k: int
               ) -> tuple[list[list[int]], list[torch.Tensor], list[torch.Tensor]]:
-    """Continue each prompt (one batch, left-padded); returns each row's generated ids (up to and
-    with its eos) and the target's top-k log-probabilities at each generated position."""
-    ids, mask = _left_pad(prompts, pad)
+    """Continue each prompt, in calls of as many rows as the device holds; returns each row's generated
+    ids (up to and with its eos) and the target's top-k log-probabilities at each generated position."""
+    rows = len(prompts) if model.device.type == "cuda" else CPU_ROWS
+    parts = [_generate_rows(model, prompts[i: i + rows], new_tokens, eos, pad, temperature, gen, top_k)
+             for i in range(0, len(prompts), rows)]
+    return tuple([x for part in parts for x in part[j]] for j in range(3))
+
+
+@torch.no_grad()
+def _generate_rows(model, prompts: list[list[int]], new_tokens: int, eos: int, pad: int, temperature: float,
+                   gen: torch.Generator | None, top_k: int
+                   ) -> tuple[list[list[int]], list[torch.Tensor], list[torch.Tensor]]:
+    """One `generate` call over prompts, left-padded."""
+    ids, mask = (t.to(model.device) for t in _left_pad(prompts, pad))
     sample = temperature > 0
     if sample:  # generate draws from torch's global generator: seed it from ours
         torch.manual_seed(int(torch.randint(0, 2**31, (1,), generator=gen)))
@@ -83,10 +98,10 @@ def _generate(model, prompts: list[list[int]], new_tokens: int, eos: int, pad: i
                          temperature=temperature if sample else None, top_p=None, top_k=None,
                          eos_token_id=eos, pad_token_id=pad, output_logits=True, return_dict_in_generate=True,
                          cache_implementation="static")  # a static cache: no copy of the whole cache per step
-    new = out.sequences[:, ids.shape[1]:]  # [B, T]
+    new = out.sequences[:, ids.shape[1]:].cpu()  # [B, T]
     tops = [F.log_softmax(step.float(), dim=-1).topk(top_k, dim=-1) for step in out.logits]  # raw, untempered
-    top_logp = torch.stack([t.values for t in tops], dim=1)  # [B, T, k]
-    top_ids = torch.stack([t.indices for t in tops], dim=1)
+    top_logp = torch.stack([t.values for t in tops], dim=1).cpu()  # [B, T, k]
+    top_ids = torch.stack([t.indices for t in tops], dim=1).cpu()
     rows, tops_i, tops_l = [], [], []
     for b in range(new.shape[0]):
         row = new[b].tolist()
@@ -116,7 +131,8 @@ def _shard(prompts: list[list[int]], answers: list[list[int]], tops_i: list[torc
 
 def chat_shard(model, tok, plan: TextPlan, rng: random.Random, gen: torch.Generator) -> Shard:
     """A batch of self-written user turns and the target's answers to them."""
-    eos, pad = tok.convert_tokens_to_ids("<|im_end|>"), tok.pad_token_id
+    eos = tok.convert_tokens_to_ids("<|im_end|>")
+    pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
     head = tok.apply_chat_template([{"role": "user", "content": "\x00"}], tokenize=False,
                                    add_generation_prompt=False).split("\x00")[0]  # up to the open user turn
     openers = [rng.choice(OPENERS) for _ in range(plan.batch)]
@@ -157,7 +173,8 @@ def code_prompts(n: int, max_chars: int, rng: random.Random) -> list[str]:
 
 def code_shard(model, tok, plan: TextPlan, rng: random.Random, gen: torch.Generator) -> Shard:
     """A batch of standard-library function heads and the target's greedy continuations."""
-    eos, pad = tok.eos_token_id, tok.pad_token_id
+    eos = tok.eos_token_id
+    pad = tok.pad_token_id if tok.pad_token_id is not None else eos
     heads = code_prompts(plan.batch, plan.code_prompt_chars, rng)
     prompts = [tok(p, add_special_tokens=False).input_ids for p in heads]
     answers, ti, tl = _generate(model, prompts, plan.code_tokens, eos, pad, 0.0, gen, plan.top_k)

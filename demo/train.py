@@ -174,9 +174,9 @@ class _Optimizer:
 Tick = Callable[[float], None]  # called after each step with its loss
 
 
-def autocast(bf16: bool):
-    """bf16 autocast where the CPU does bf16 natively (fp32 master weights), else a no-op: fp32."""
-    return torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16)
+def autocast(bf16: bool, device_type: str = "cpu"):
+    """bf16 autocast where the device does bf16 natively (fp32 master weights), else a no-op: fp32."""
+    return torch.autocast(device_type, dtype=torch.bfloat16, enabled=bf16)
 
 
 def train_target(model: LlamaForCausalLM, stream: torch.Tensor, plan: BuildPlan,

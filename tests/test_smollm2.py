@@ -162,6 +162,21 @@ def test_teacher_text_records_the_targets_distribution_where_each_generated_toke
         assert torch.allclose(shard.top_logp[i, positions].float(), want, atol=2e-2)
 
 
+def test_a_cpu_generates_a_shard_in_calls_it_can_hold_and_joins_them_in_order(monkeypatch):
+    model = _tiny_llama(40, seed=0)
+    prompts = [[5, 6, 7], [8, 9], [10, 11, 12, 13], [14], [15, 16]]
+    whole = teacher_text._generate(model, prompts, new_tokens=5, eos=2, pad=2, temperature=0.0, gen=None, top_k=3)
+    calls = []
+    real = teacher_text._generate_rows
+    monkeypatch.setattr(teacher_text, "_generate_rows", lambda m, rows, *a: calls.append(len(rows)) or real(m, rows, *a))
+    monkeypatch.setattr(teacher_text, "CPU_ROWS", 2)
+    parts = teacher_text._generate(model, prompts, new_tokens=5, eos=2, pad=2, temperature=0.0, gen=None, top_k=3)
+    assert calls == [2, 2, 1]
+    assert parts[0] == whole[0]  # the same rows, in the prompts' order
+    for a, b in zip(parts[1] + parts[2], whole[1] + whole[2]):
+        assert a.shape == b.shape
+
+
 def test_new_draft_speaks_the_targets_vocabulary_from_its_projected_embedding():
     target = _tiny_llama(64, seed=0, hidden=48)
     draft = distill.new_draft(target, distill.DraftShape(layers=1, hidden=16, intermediate=32, heads=2, kv_heads=2))

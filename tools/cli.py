@@ -139,6 +139,8 @@ def parser() -> argparse.ArgumentParser:
     d.add_argument("--distill", action="store_true",
                    help="smollm2: distill the draft here by the project's recipe (an hour or more on 2 cores, "
                         "resumable) instead of taking the shipped one")
+    d.add_argument("--device", default="cpu", help="smollm2 --distill: where the recipe runs (cuda: minutes; "
+                                                  "default cpu)")
     d.add_argument("--seed", type=int, default=0, help="the demo pair's seed")
     d.add_argument("--cache-dir", help="where to keep the pair (default: $SPECSERVE_CACHE or the user cache)")
     d.set_defaults(func=cmd_demo_models)
