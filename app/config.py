@@ -32,8 +32,14 @@ class ModelSettings(BaseModel):
     compile_max_tokens: int = Field(128, ge=1, description="Largest compiled step, positions per forward.")
     attention: Literal["auto", "flex", "cpu_paged", "per_sequence"] = Field(
         "auto", description="How attention reads the paged KV cache: flex = one FlexAttention call per layer "
-        "(auto on a GPU); cpu_paged = decode and verify rows in one call per layer of a C++ kernel built on "
-        "the machine (auto on a CPU with a compiler, float32); per_sequence = one SDPA call per sequence.")
+        "(opt-in: not yet proven on a GPU); cpu_paged = decode and verify rows in one call per layer of a C++ kernel built on "
+        "the machine (auto on a CPU with a compiler, float32); per_sequence = one SDPA call per sequence (auto "
+        "elsewhere, a GPU included).")
+    max_model_len: int | None = Field(
+        None, ge=1, description="Longest sequence (prompt and output) served, in tokens. The memory model "
+        "sizes attention's buffers for it, and a replica whose KV cache cannot hold one sequence of it refuses "
+        "to start, naming the settings to change (vLLM's max_model_len). None: the model's positions, lowered "
+        "to what the KV cache holds.")
     torch_threads: int | None = Field(
         None, ge=1, description="torch CPU threads of each replica (and rank worker); None = Ray's default, one "
         "per whole reserved CPU. Raise it on CPU nodes with cores to spare (on a 2-core node that also runs Ray's "

@@ -22,7 +22,7 @@ from app.errors import InvalidRequestError
 from app.scheduler import ForwardQueue, in_thread
 from app.grammar import Grammars
 from app.kv import PREFIX_BLOCK
-from app.loading import load_runner
+from app.loading import load_pair
 from app.params import SamplingParams, parse_sampling
 from app.chunks import Chunk
 from app.job import GenerationJob, Limits, admit
@@ -144,10 +144,8 @@ class Engine:
 
     @classmethod
     def from_config(cls, config: EngineConfig) -> "Engine":
-        target = load_runner(config.target, config.target_settings, MAX_BATCH_TOKENS)
-        # both models share the device: the draft's budget is sized once the target's is taken
-        draft = (load_runner(config.draft, config.draft_settings, MAX_BATCH_TOKENS, reserved=target.cache.max_bytes)
-                 if config.draft else None)
+        target, draft = load_pair(config.target, config.target_settings, config.draft, config.draft_settings,
+                                  MAX_BATCH_TOKENS)
         spec = config.speculation
         return cls(target, draft, k_max=spec.k_max, draft_top_n=spec.draft_top_n, policy=DraftPolicy.of(spec),
                    goodput_gate=spec.goodput_gate)

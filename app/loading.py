@@ -6,7 +6,7 @@ from that device's memory for the forwards it will run (app/memory.py), its comp
 import torch
 
 from app.config import ModelSettings
-from app.memory import size_kv_budget
+from app.memory import size_kv_budget, size_shared_kv_budget
 from app.runner import ModelRunner, SeqInput, load_model
 
 
@@ -21,21 +21,55 @@ def resolve_device(device: str) -> str:
     return device if device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
 
 
-def load_runner(path: str, settings: ModelSettings, forward_tokens: int, *, reserved: int = 0, tp_size: int = 1,
-                progress=None) -> ModelRunner:
-    """A loaded model ready to serve forwards of up to `forward_tokens` positions. `reserved`: device
-    bytes another model of this process holds already (in process, the draft beside the target).
-    tp_size > 1: this rank's shard; the group agrees on one budget and warms up together (its caller)."""
-    set_torch_threads(settings)
-    model, tokenizer = load_model(path, dtype=settings.dtype, device=resolve_device(settings.device),
-                                  trust_remote_code=settings.trust_remote_code, tp_size=tp_size)
-    runner = ModelRunner(model, tokenizer, pack=tp_size == 1, compile=settings.compile,
-                         compile_max_tokens=settings.compile_max_tokens, attention=settings.attention)
-    size_kv_budget(runner, settings.memory_utilization, settings.max_cache_bytes, forward_tokens, reserved=reserved)
+def load_runner(path: str, settings: ModelSettings, forward_tokens: int, *, tp_size: int = 1,
+                progress=None, logit_rows: int | None = None, batch: int | None = None) -> ModelRunner:
+    """A loaded model ready to serve forwards of up to `forward_tokens` positions.
+    tp_size > 1: this rank's shard; the group agrees on one budget and warms up together (its caller).
+    logit_rows, batch: the most rows one forward takes logits for, and sequences it holds (the memory
+    model's working buffers; default: every position, one sequence per position)."""
+    runner = _runner(path, settings, tp_size)
+    size_kv_budget(runner, settings.memory_utilization, settings.max_cache_bytes, forward_tokens,
+                   max_model_len=settings.max_model_len, tp_size=tp_size, logit_rows=logit_rows, batch=batch)
+    _limit_context(runner, settings)
     if tp_size == 1:
         runner.warm(progress)
         warm_up(runner)
     return runner
+
+
+def load_pair(target: str, target_settings: ModelSettings, draft: str | None, draft_settings: ModelSettings,
+              forward_tokens: int) -> tuple[ModelRunner, ModelRunner | None]:
+    """Target and draft in one process (`specserve generate`, `bench`, Engine.from_pretrained). Both
+    are loaded before either KV pool is made (a pool is made at the first forward, at its whole
+    budget): on a shared GPU one budget is then split so both hold the same tokens (app/memory.py)."""
+    t = _runner(target, target_settings, 1)
+    d = _runner(draft, draft_settings, 1) if draft else None
+    if d is None:
+        size_kv_budget(t, target_settings.memory_utilization, target_settings.max_cache_bytes, forward_tokens,
+                       max_model_len=target_settings.max_model_len)
+    else:
+        size_shared_kv_budget([t, d], target_settings.memory_utilization,
+                              [target_settings.max_cache_bytes, draft_settings.max_cache_bytes], forward_tokens,
+                              max_model_len=target_settings.max_model_len)
+    for r, settings in ((t, target_settings), (d, draft_settings)):
+        if r is not None:
+            _limit_context(r, settings)
+            r.warm()
+            warm_up(r)
+    return t, d
+
+
+def _runner(path: str, settings: ModelSettings, tp_size: int) -> ModelRunner:
+    set_torch_threads(settings)
+    model, tokenizer = load_model(path, dtype=settings.dtype, device=resolve_device(settings.device),
+                                  trust_remote_code=settings.trust_remote_code, tp_size=tp_size)
+    return ModelRunner(model, tokenizer, pack=tp_size == 1, compile=settings.compile,
+                       compile_max_tokens=settings.compile_max_tokens, attention=settings.attention)
+
+
+def _limit_context(runner: ModelRunner, settings: ModelSettings) -> None:
+    if settings.max_model_len:
+        runner.max_context = min(runner.max_context, settings.max_model_len)
 
 
 def warm_up(runner: ModelRunner) -> None:

@@ -12,32 +12,70 @@ from collections.abc import Callable
 import torch
 
 CPU_DEFAULT_BYTES = 1 << 30
+DRAFT_PREFILL_TOKENS = 4096  # positions of the longest prompt a draft replica's working buffers are sized for
 
 
 class InsufficientMemoryError(RuntimeError):
     """The device cannot hold the weights, the working buffers and any KV cache at this utilization."""
 
 
-def working_bytes(config, dtype: torch.dtype, tokens: int, vocab: int, context: int | None = None) -> int:
-    """Memory one forward of `tokens` positions works in, beyond weights and KV cache (an upper
-    estimate): the float32 logits of every position and three more copies of them for sampled
-    verification (padded, processed, sorted), plus per-position activations (the residual stream,
-    the attention projections, the MLP's two wide ones, with room for the allocator); and attention's
-    own scratch for one layer at a time over keys of `context` positions (default: the model's): a
-    sequence whose blocks are not one run is gathered (its keys and values, once), and a masked
-    attention that falls back to the math kernel holds float32 scores [heads, tokens, context] and
-    their softmax."""
+def _attention_dims(config, tp_size: int) -> tuple[int, int, int]:
+    """(query heads, key/value heads, head dim) of one tensor-parallel rank."""
     hidden = getattr(config, "hidden_size", 0)
-    wide = getattr(config, "intermediate_size", 4 * hidden)
-    itemsize = torch.finfo(dtype).bits // 8
-    per_position = 4 * 4 * vocab + 2 * itemsize * (6 * hidden + 3 * wide)
     heads = getattr(config, "num_attention_heads", 0) or 0
     kv_heads = getattr(config, "num_key_value_heads", None) or heads
     head_dim = getattr(config, "head_dim", None) or (hidden // heads if heads else 0)
-    context = context or getattr(config, "max_position_embeddings", 0) or tokens
-    gathered = 2 * kv_heads * context * head_dim * itemsize
-    scores = 2 * 4 * heads * min(tokens, context) * context
-    return tokens * per_position + gathered + scores
+    return max(1, heads // tp_size) if heads else 0, max(1, kv_heads // tp_size) if kv_heads else 0, head_dim
+
+
+def kv_bytes_per_token(config, dtype: torch.dtype, tp_size: int = 1) -> int:
+    """Bytes of KV cache one position takes on one rank: keys and values of every layer."""
+    _, kv_heads, head_dim = _attention_dims(config, tp_size)
+    return 2 * getattr(config, "num_hidden_layers", 0) * kv_heads * head_dim * (torch.finfo(dtype).bits // 8)
+
+
+def working_bytes(config, dtype: torch.dtype, tokens: int, vocab: int, *, context: int | None = None,
+                  attention: str = "flex", logit_rows: int | None = None, batch: int | None = None,
+                  tp_size: int = 1, device_type: str = "cuda") -> int:
+    """Memory one forward of `tokens` positions works in on one rank, beyond weights and KV cache (an
+    upper estimate), for sequences of up to `context` positions (max_model_len; default the model's):
+    - logits: float32 for the `logit_rows` rows that get them (verify rows and prompts' last
+      positions; default every position), the full vocabulary on every rank, and three more copies
+      for sampled verification (padded, processed, sorted);
+    - activations per position: the residual stream, the rank's attention projections and the MLP's
+      two wide ones, with room for the allocator;
+    - attention's scratch, by path (app/ragged.py, app/batches.py). "flex" and "cpu_paged" read the
+      pool in place and materialise no [heads, tokens, context] scores: their output only.
+      "per_sequence" (and "cpu_paged" for prompts) gathers one sequence's keys and values when its
+      blocks are not one run, and builds its causal mask [tokens, context]. On a GPU SDPA's fused
+      kernels take the mask without scores (app/ragged.py never lets it fall back to the math
+      kernel there); on a CPU a masked SDPA is the math kernel: float32 scores and their softmax.
+      "padded" (models with sliding windows or soft-capping) holds every layer's padded slab
+      [batch, kv heads, context + width, D] for the forward, and eager attention's float32 scores
+      [heads, tokens, context] and their softmax for one layer at a time."""
+    hidden = getattr(config, "hidden_size", 0)
+    wide = getattr(config, "intermediate_size", None) or 4 * hidden
+    itemsize = torch.finfo(dtype).bits // 8
+    heads, kv_heads, head_dim = _attention_dims(config, tp_size)
+    context = min(context or getattr(config, "max_position_embeddings", 0) or tokens, 1 << 40)
+    rows = tokens if logit_rows is None else min(tokens, logit_rows)
+    logits = rows * 4 * 4 * vocab
+    activations = tokens * 2 * itemsize * (4 * hidden + (heads + 2 * kv_heads) * head_dim + 3 * wide // tp_size)
+    output = 2 * tokens * heads * head_dim * itemsize
+    if attention in ("per_sequence", "cpu_paged"):
+        scratch = 2 * kv_heads * context * head_dim * itemsize + tokens * context * itemsize
+        if device_type == "cpu":
+            scratch += 2 * 4 * heads * tokens * context
+        else:  # on a GPU, keys and values repeated to the query heads for the fused kernel (GQA)
+            scratch += 2 * heads * context * head_dim * itemsize
+    elif attention == "padded":
+        layers = getattr(config, "num_hidden_layers", 0)
+        seqs = max(1, min(batch or tokens, tokens))
+        slab = layers * 2 * seqs * kv_heads * (context + tokens) * head_dim * itemsize
+        scratch = slab + 2 * 4 * heads * tokens * (context + tokens)
+    else:
+        scratch = 0
+    return logits + activations + output + scratch
 
 
 def kv_budget(device: torch.device, *, utilization: float, cap: int | None, working: int, reserved: int = 0,
@@ -72,11 +110,50 @@ def agree_on_budget(runner) -> int:
 
 
 def size_kv_budget(runner, utilization: float, cap: int | None, forward_tokens: int, reserved: int = 0,
-                   mem_info: Callable[[torch.device], tuple[int, int]] | None = None) -> int:
-    """Set a loaded ModelRunner's KV budget for forwards of up to `forward_tokens` positions; returns it."""
+                   mem_info: Callable[[torch.device], tuple[int, int]] | None = None, *,
+                   max_model_len: int | None = None, logit_rows: int | None = None, batch: int | None = None,
+                   tp_size: int = 1) -> int:
+    """Set a loaded ModelRunner's KV budget for forwards of up to `forward_tokens` positions over
+    sequences of up to `max_model_len` (default: the model's positions); returns it. Raises
+    InsufficientMemoryError when the budget cannot hold one sequence of an explicit max_model_len."""
     model = runner.model
     rows = model.get_output_embeddings().out_features  # logits' width (a prepacked head has no .weight)
-    working = working_bytes(model.config, model.dtype, forward_tokens, rows)
-    runner.cache.max_bytes = kv_budget(runner.device, utilization=utilization, cap=cap, working=working,
-                                       reserved=reserved, mem_info=mem_info)
-    return runner.cache.max_bytes
+    rows_with_logits = logit_rows if getattr(runner, "ragged_logits", False) else None  # else every position's
+    working = working_bytes(model.config, model.dtype, forward_tokens, rows, context=max_model_len,
+                            attention=runner.attention_path, logit_rows=rows_with_logits, batch=batch, tp_size=tp_size,
+                            device_type=runner.device.type)
+    budget = kv_budget(runner.device, utilization=utilization, cap=cap, working=working, reserved=reserved,
+                       mem_info=mem_info)
+    per_token = kv_bytes_per_token(model.config, model.dtype, tp_size)
+    if max_model_len is not None and per_token and budget // per_token < max_model_len:
+        raise InsufficientMemoryError(
+            f"{runner.device}: the KV cache budget ({budget / 2**30:.2f} GiB, {budget // per_token} tokens) cannot "
+            f"hold one sequence of max_model_len {max_model_len}: lower max_model_len, raise memory_utilization "
+            "or max_cache_bytes, or shard wider (tensor_parallel_size)")
+    runner.cache.max_bytes = budget
+    return budget
+
+
+def size_shared_kv_budget(runners: list, utilization: float, caps: list[int | None], forward_tokens: int,
+                          mem_info: Callable[[torch.device], tuple[int, int]] | None = None, *,
+                          max_model_len: int | None = None) -> list[int]:
+    """Budgets of runners that share one GPU and hold the same sequences (a target and its draft in
+    one process), sized before either pool is made: what utilization leaves after both models'
+    weights and working buffers, split by their KV bytes per token so that both hold the same number
+    of tokens; each capped by its own max_cache_bytes. Apart (a CPU), each is sized on its own."""
+    if runners[0].device.type != "cuda" and mem_info is None:
+        return [size_kv_budget(r, utilization, cap, forward_tokens, max_model_len=max_model_len)
+                for r, cap in zip(runners, caps)]
+    working = sum(working_bytes(r.model.config, r.model.dtype, forward_tokens,
+                                r.model.get_output_embeddings().out_features, context=max_model_len,
+                                attention=r.attention_path, device_type=r.device.type) for r in runners)
+    allowed = kv_budget(runners[0].device, utilization=utilization, cap=None, working=working, mem_info=mem_info)
+    per_token = [kv_bytes_per_token(r.model.config, r.model.dtype) for r in runners]
+    tokens = allowed // sum(per_token)
+    if max_model_len is not None and tokens < max_model_len:
+        raise InsufficientMemoryError(
+            f"{runners[0].device}: target and draft together hold {tokens} tokens of KV cache, less than one "
+            f"sequence of max_model_len {max_model_len}: lower max_model_len or raise memory_utilization")
+    for r, p, cap in zip(runners, per_token, caps):
+        r.cache.max_bytes = tokens * p if cap is None else min(cap, tokens * p)
+    return [r.cache.max_bytes for r in runners]

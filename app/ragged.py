@@ -193,9 +193,31 @@ def attend(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, layer: i
     for s in layout.sdpa:
         k, v = layout.kv(s, layer)
         q = query[:, :, s.offset : s.offset + s.length]  # [1, Hq, n, D]
-        out[:, s.offset : s.offset + s.length] = torch.nn.functional.scaled_dot_product_attention(
-            q, k, v, attn_mask=s.causal_mask(q), scale=scale, enable_gqa=gqa).transpose(1, 2)
+        out[:, s.offset : s.offset + s.length] = sdpa(q, k, v, s.causal_mask(q), scale, gqa,
+                                                      fused_only=q.device.type == "cuda").transpose(1, 2)
     return out
+
+
+FUSED = None  # the SDPA kernels that materialise no scores (set on first use: torch.nn.attention's enum)
+
+
+def sdpa(query, key, value, mask, scale: float, gqa: bool, fused_only: bool = False) -> torch.Tensor:
+    """torch's SDPA over one sequence. fused_only (on a GPU): only the kernels that hold no [heads,
+    queries, keys] scores, an error rather than the math kernel's silent fallback, which at a 131k
+    context needs gigabytes the memory model does not give it (app/memory.py). Keys and values are
+    repeated to the query heads there, as the fused kernels take a mask only without enable_gqa."""
+    global FUSED
+    if not fused_only:
+        return torch.nn.functional.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=scale,
+                                                                enable_gqa=gqa)
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    FUSED = FUSED or [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.CUDNN_ATTENTION]
+    if gqa:
+        groups = query.shape[1] // key.shape[1]
+        key, value = key.repeat_interleave(groups, 1), value.repeat_interleave(groups, 1)
+    with sdpa_kernel(FUSED):
+        return torch.nn.functional.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=scale)
 
 
 @attend.register_fake

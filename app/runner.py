@@ -99,13 +99,15 @@ class ModelRunner:
         self.ragged = supports_ragged(model)
         if self.ragged:
             model.config._attn_implementation = RAGGED
-        # ragged attention's path (app/ragged.py): FlexAttention over the block pool on a GPU, the paged
-        # CPU kernel for short spans on a CPU that builds it (float32), else one SDPA call per sequence
+        # ragged attention's path (app/ragged.py): the paged CPU kernel for short spans on a CPU that
+        # builds it (float32), else one SDPA call per sequence; FlexAttention over the block pool when
+        # asked for. On the first GPU run (an H100, torch 2.11) inductor could not lower the flex kernel
+        # for the pool's shapes (NoValidChoicesError) and new batch shapes recompiled it past dynamo's
+        # limit, so auto no longer takes it on a GPU.
         if attention not in ATTENTION:
             raise ValueError(f"attention must be one of {ATTENTION}, got {attention!r}")
-        if attention == "auto":
-            attention = ("flex" if self.device.type == "cuda"
-                         else "cpu_paged" if self.ragged and cpu_attention.usable(model.dtype, self.device)
+        if attention == "auto":  # flex is opt-in on a GPU: docs/configuration.md, "What a GPU has proven"
+            attention = ("cpu_paged" if self.ragged and cpu_attention.usable(model.dtype, self.device)
                          else "per_sequence")
         elif attention == "cpu_paged" and not cpu_attention.usable(model.dtype, self.device):
             raise ValueError("attention='cpu_paged' needs a float32 model on a CPU and a C++ compiler")
@@ -126,6 +128,11 @@ class ModelRunner:
     @property
     def flex(self) -> bool:
         return self.attention == "flex"
+
+    @property
+    def attention_path(self) -> str:
+        """The attention path the memory model budgets (app/memory.py): the ragged one, or "padded"."""
+        return self.attention if self.ragged else "padded"
 
     def _compiled(self, mode: str, max_tokens: int) -> CompiledSteps | None:
         if mode == "off":

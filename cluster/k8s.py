@@ -214,13 +214,14 @@ TP = 4  # GPUs per target replica: one pod, one STRICT_PACK placement group of T
 GPU_ARGS = {
     "speculation": {"verify_saturation_tokens": 512},  # a GPU verifies hundreds of tokens for the price of one
     # the KV cache of each takes what memory_utilization leaves after weights and working buffers (no
-    # byte cap: the CPU config's 1 GiB would hold ~13k tokens of the 70B target per rank, while the
-    # ingress admits its 131k-token context; 0.9 of an 80 GB rank leaves ~30 GB, ~370k tokens)
+    # byte cap: the CPU config's 1 GiB would hold ~13k tokens of the 70B target per rank). Each must
+    # hold one sequence of max_model_len or its replica refuses to start; `specserve plan` on this
+    # manifest: ~470k tokens per target rank, ~490k on the draft's L4 (k8s/README.md)
     "target": {"model": "meta-llama/Llama-3.1-70B-Instruct", "dtype": "bfloat16", "tensor_parallel_size": TP,
                "memory_utilization": 0.9, "rank_resources": {"GPU": 1, "CPU": 4}, "replica_cpus": 1,
-               "max_cache_bytes": None},
+               "max_cache_bytes": None, "max_model_len": 131072},
     "draft": {"model": "meta-llama/Llama-3.2-1B-Instruct", "dtype": "bfloat16", "memory_utilization": 0.9,
-              "max_cache_bytes": None},
+              "max_cache_bytes": None, "max_model_len": 131072},
 }
 GPU_DEPLOYMENTS = {
     "DraftServer": {"autoscaling_config": {"max_replicas": 8},

@@ -56,6 +56,7 @@ def build_app(args: dict) -> Application:
             AutoTokenizer.from_pretrained(target_path, trust_remote_code=cfg.target.trust_remote_code),
             AutoTokenizer.from_pretrained(draft_path, trust_remote_code=cfg.draft.trust_remote_code))
     max_context = getattr(AutoConfig.from_pretrained(target_path), "max_position_embeddings", None) or 1 << 30
+    max_context = min(max_context, cfg.target.max_model_len or max_context)
     name = cfg.served_model_name or Path(target_path.rstrip("/")).name
     affinity = RequestRouterConfig(request_router_class=SessionAffinityRouter)
 

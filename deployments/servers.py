@@ -19,6 +19,7 @@ from app.driver import DraftPolicy
 from app.engine import Engine
 from app.scheduler import ForwardQueue, in_thread
 from app.loading import load_runner
+from app.memory import DRAFT_PREFILL_TOKENS
 from app.chunks import Chunk
 from app.job import GenerationJob
 from app.runner import eos_ids, load_generation_config
@@ -38,7 +39,6 @@ from deployments.tp import RankGroup
 
 # measured on 2 CPU cores, demo pair, one stream: 75 -> 105 tok/s speculative, target forward 25 -> 19 ms
 SWITCH_INTERVAL_S = 0.0005
-DRAFT_PREFILL_TOKENS = 4096  # positions of the longest prompt the KV budget leaves working room for
 
 
 def _replica_id() -> str:
@@ -110,7 +110,8 @@ class DraftServer(_Server):
     def __init__(self, cfg: ModelConfig, path: str, batch: BatchConfig, top_n: int):
         super().__init__()
         # a draft forward: a step of every sequence in the batch, or a new sequence's whole prompt
-        self.runner = load_runner(path, cfg, max(batch.max_batch_size, DRAFT_PREFILL_TOKENS))
+        self.runner = load_runner(path, cfg, max(batch.max_batch_size, DRAFT_PREFILL_TOKENS),
+                                  logit_rows=batch.max_batch_size, batch=batch.max_batch_size)
         self.queue = self._queue(in_thread(functools.partial(propose, self.runner, top_n=top_n)), self._release,
                                  batch, "DraftServer.propose", self.runner.forget)
         self.callers = CallerWaits()
@@ -143,7 +144,9 @@ class TargetServer(_Server):
         super().__init__()
         self.ranks: RankGroup | None = None
         if cfg.tensor_parallel_size == 1:
-            self.runner = load_runner(path, cfg, batch.max_batch_tokens)
+            # logits for the verify rows and each prompt's last position (tools/plan.py counts the same)
+            rows = batch.max_batch_size * (speculation.k_max + 2)
+            self.runner = load_runner(path, cfg, batch.max_batch_tokens, logit_rows=rows, batch=batch.max_batch_size)
             tokenizer, vocab, eos = self.runner.tokenizer, self.runner.vocab_size, self.runner.eos_ids
             forward, release = in_thread(functools.partial(verify, self.runner)), self._release
             forget, kv_capacity = self.runner.forget, self.runner.capacity_tokens()

@@ -329,47 +329,15 @@ def exposure_rules(rs: dict) -> None:
 
 
 # the models and GPUs the manifests name: parameters, and memory as the device reports it
-PARAMS = {"meta-llama/Llama-3.1-70B-Instruct": 70.6e9, "meta-llama/Llama-3.2-1B-Instruct": 1.24e9}
-GPU_BYTES = {"NVIDIA-H100-80GB-HBM3": 79.1 * 2**30, "NVIDIA-L4": 22.0 * 2**30}
-DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
-# (layers, KV heads, head dim, context the ingress admits: the config's max_position_embeddings)
-SHAPES = {"meta-llama/Llama-3.1-70B-Instruct": (80, 8, 128, 131072),
-          "meta-llama/Llama-3.2-1B-Instruct": (16, 8, 64, 131072)}
-
-
 def memory_rules(rs: dict) -> None:
-    """On GPU pools each model's weights (per rank), working buffers and a given KV cap fit the share of
-    its GPU's memory that memory_utilization allows (app/memory.py sizes the KV cache from the rest), and
-    that KV cache holds the longest context the ingress admits (else admission refuses it)."""
-    from app.memory import working_bytes
-    from deployments.config import AppConfig
+    """On GPU pools each model's weights (per rank), working buffers and KV cache fit its GPU's
+    memory_utilization share, and the KV cache holds one sequence of max_model_len: `specserve plan`'s
+    figures (tools/plan.py: the models' real configs on the meta device, app/memory.py's formulas)."""
+    from tools.plan import _manifest_gpus, plan_app
 
-    config = yaml.safe_load(rs["spec"]["serveConfigV2"])
-    args = AppConfig.model_validate(config["applications"][0]["args"])
-    by_name = dict(groups(rs))
-    for model, pool, tokens in ((args.target, gen.TARGET_POOL, args.target_batch.max_batch_tokens),
-                                (args.draft, gen.DRAFT_POOL, 4096)):
-        group = by_name[next(g for g, spec in by_name.items() if pool in offered(spec))]
-        product = (group["template"]["spec"].get("nodeSelector") or {}).get("nvidia.com/gpu.product")
-        if not gpus(group)[1] or model is None or model.model is None:
-            continue
-        check(product in GPU_BYTES and model.model in PARAMS, f"unknown GPU {product} or model {model.model}")
-        ranks = getattr(model, "tensor_parallel_size", 1)
-        weights = PARAMS[model.model] * DTYPE_BYTES[model.dtype] / ranks
-        # a 70B-class layer: hidden 8192, MLP 28672, vocabulary 128256 (an upper bound for the draft)
-        working = working_bytes(type("C", (), {"hidden_size": 8192, "intermediate_size": 28672})(),
-                                torch.bfloat16, tokens, 128256)
-        kv = model.max_cache_bytes or 0
-        need = weights + working + kv
-        allowed = model.memory_utilization * GPU_BYTES[product]
-        check(need + (2 * 2**30 if kv == 0 else 0) <= allowed,
-              f"{pool}: weights {weights / 2**30:.1f} GiB + buffers {working / 2**30:.1f} GiB + KV "
-              f"{kv / 2**30:.1f} GiB per GPU exceed {model.memory_utilization} x {product}")
-        layers, heads, head_dim, context = SHAPES[model.model]
-        per_token = 2 * layers * heads // ranks * head_dim * DTYPE_BYTES[model.dtype]
-        tokens = (kv or allowed - weights - working) // per_token
-        check(tokens >= context, f"{pool}: a KV cache of {tokens} tokens per GPU cannot hold the {context}-token "
-              f"context the ingress admits")
+    serve = yaml.safe_load(rs["spec"]["serveConfigV2"])
+    for row in plan_app(serve["applications"][0]["args"], _manifest_gpus(rs, serve)):
+        check(row.fits, f"{row.name} on {row.gpu}: {row.why}")
 
 
 def validate(rs: dict) -> dict:
@@ -549,13 +517,12 @@ BROKEN = {
     "head Ingress": lambda rs: rs["spec"]["rayClusterConfig"]["headGroupSpec"].update(enableIngress=True),
     "token auth on old Ray": lambda rs: rs["spec"]["rayClusterConfig"].update(
         authOptions={"mode": "token"}, rayVersion="2.50.0"),
-    "KV cache beyond the GPU's memory": lambda rs: edit_serve(
-        rs, lambda c, d: c["applications"][0]["args"]["target"].update(max_cache_bytes=96 << 30)),
+    "target max_model_len beyond what its KV cache holds": lambda rs: edit_serve(
+        rs, lambda c, d: c["applications"][0]["args"]["target"].update(max_model_len=600_000)),
     "target KV cap below the admitted context": lambda rs: edit_serve(
         rs, lambda c, d: c["applications"][0]["args"]["target"].update(max_cache_bytes=1 << 30)),
-    "draft at full memory utilization with a big KV cap": lambda rs: edit_serve(
-        rs, lambda c, d: c["applications"][0]["args"]["draft"].update(memory_utilization=0.5,
-                                                                      max_cache_bytes=16 << 30)),
+    "draft at a memory utilization its weights and buffers fill": lambda rs: edit_serve(
+        rs, lambda c, d: c["applications"][0]["args"]["draft"].update(memory_utilization=0.25)),
 }
 
 

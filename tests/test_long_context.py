@@ -56,7 +56,8 @@ def test_a_16k_prompt_stays_within_the_memory_model(tmp_path):
         for r in (target, draft):
             kv = r.kv_block_bytes() * -(-({PROMPT_TOKENS} + 16) // 16)
             kv_bytes += kv
-            work = working_bytes(r.model.config, r.model.dtype, 512 + 8, r.vocab_size, {PROMPT_TOKENS} + 16)  # a chunk + K
+            work = working_bytes(r.model.config, r.model.dtype, 512 + 8, r.vocab_size, context={PROMPT_TOKENS} + 16,
+                                 attention=r.attention_path, device_type="cpu")  # a chunk + K
             model_bytes += kv + work
         print(json.dumps({{"peak": max(peak[0], after) - before, "kept": after - before, "model": model_bytes,
                            "kv": kv_bytes, "emitted": len(out.token_ids),

@@ -10,7 +10,7 @@ from app.memory import (
     size_kv_budget,
     working_bytes,
 )
-from app.runner import ModelRunner
+from app.runner import ModelRunner, SeqInput
 
 GiB = 2**30
 CUDA = torch.device("cuda", 0)
@@ -44,18 +44,100 @@ def test_on_a_cpu_the_budget_is_the_configured_one():
     assert kv_budget(torch.device("cpu"), utilization=0.9, cap=123_456, working=GiB) == 123_456
 
 
+def real_config(name: str):
+    """A shipped model's config (cluster/model_configs: the models the GPU manifests name)."""
+    import json
+
+    from transformers import AutoConfig
+
+    from tools.plan import CONFIGS
+
+    return AutoConfig.for_model(**json.loads((CONFIGS / name / "config.json").read_text()))
+
+
 def test_working_buffers_grow_with_the_forward_and_the_vocabulary():
-    cfg = type("C", (), {"hidden_size": 4096, "intermediate_size": 14336})()
-    small, big = (working_bytes(cfg, torch.bfloat16, n, 128256) for n in (256, 2048))
-    assert big == 8 * small and small > 256 * 4 * 128256  # at least the float32 logits of every position
+    cfg = real_config("meta-llama/Llama-3.1-8B-Instruct")
+    small, big = (working_bytes(cfg, torch.bfloat16, n, 128256, context=8192) for n in (256, 2048))
+    assert big > 7 * small and small > 256 * 4 * 128256  # at least the float32 logits of every position
 
 
-def test_a_runner_takes_its_budget_from_its_device(target_model, tokenizer):
+@pytest.mark.parametrize("name, tokens, rows, tp, most", [
+    ("meta-llama/Llama-3.1-8B-Instruct", 2048, 320, 1, 6 * GiB),   # the target server: 32 x (K_max + 2) rows
+    ("meta-llama/Llama-3.1-70B-Instruct", 2048, 320, 4, 6 * GiB),
+    ("meta-llama/Llama-3.2-1B-Instruct", 4096, 16, 1, 6 * GiB),    # the draft server: a row per sequence
+])
+def test_real_configs_at_their_full_context_need_gigabytes_of_working_memory_not_a_hundred(name, tokens, rows, tp,
+                                                                                           most):
+    """Attention scores [heads, tokens, context] were budgeted at the model's 131072 positions for every
+    path: 68.9 GiB for the 8B at 2048 tokens, 133.4 GiB per rank for the 70B, 136.6 GiB for the 1B
+    draft. The ragged paths materialise no scores; the padded one does, for the context it serves."""
+    cfg = real_config(name)
+    assert cfg.num_attention_heads > 0 and cfg.max_position_embeddings == 131072
+    for path in ("flex", "per_sequence", "cpu_paged"):
+        work = working_bytes(cfg, torch.bfloat16, tokens, cfg.vocab_size, attention=path, logit_rows=rows, tp_size=tp)
+        assert work < most, (path, work / GiB)
+    # the padded path holds every layer's slab and the scores: budgeted, and far larger at full context
+    padded = working_bytes(cfg, torch.bfloat16, tokens, cfg.vocab_size, attention="padded", logit_rows=rows, batch=32,
+                           tp_size=tp)
+    assert padded > 10 * most
+    # logits only for the rows that get them: a verify batch of 32 x 9 rows, not 2048
+    assert working_bytes(cfg, torch.bfloat16, tokens, cfg.vocab_size, logit_rows=288, tp_size=tp) < (
+        working_bytes(cfg, torch.bfloat16, tokens, cfg.vocab_size, tp_size=tp) - (tokens - 288) * 16 * cfg.vocab_size + 1)
+
+
+def test_a_rank_budgets_its_share_of_the_heads_and_of_the_kv():
+    from app.memory import kv_bytes_per_token
+
+    cfg = real_config("meta-llama/Llama-3.1-70B-Instruct")
+    assert kv_bytes_per_token(cfg, torch.bfloat16, 1) == 2 * 80 * 8 * 128 * 2
+    assert kv_bytes_per_token(cfg, torch.bfloat16, 4) == 2 * 80 * 2 * 128 * 2
+    one, four = (working_bytes(cfg, torch.bfloat16, 2048, 128256, attention="per_sequence", tp_size=t) for t in (1, 4))
+    assert four < one
+
+
+def test_a_replica_that_cannot_hold_one_sequence_of_max_model_len_refuses_to_start(target_model, tokenizer):
+    from app.memory import kv_bytes_per_token
+
     runner = ModelRunner(target_model, tokenizer)
-    runner.device = CUDA  # as a GPU replica reports it; the memory report is injected
-    budget = size_kv_budget(runner, 0.9, None, 512, mem_info=h100_after_loading(10))
-    assert runner.cache.max_bytes == budget
-    assert budget == int(0.9 * int(79.1 * GiB)) - 10 * GiB - working_bytes(target_model.config, torch.float32, 512, 98)
+    runner.device = CUDA
+    per_token = kv_bytes_per_token(target_model.config, torch.float32)
+    work = working_bytes(target_model.config, torch.float32, 512, 98, context=1000, attention=runner.attention_path)
+    total = int(79.1 * GiB)
+
+    def leaving(tokens):  # a device whose memory_utilization share leaves room for `tokens` positions
+        used = int(0.9 * total) - work - tokens * per_token
+        return lambda device: (total - used, total)
+
+    with pytest.raises(InsufficientMemoryError, match="max_model_len 1000: lower max_model_len"):
+        size_kv_budget(runner, 0.9, None, 512, mem_info=leaving(999), max_model_len=1000)
+    assert size_kv_budget(runner, 0.9, None, 512, mem_info=leaving(1000), max_model_len=1000) == 1000 * per_token
+
+
+def test_in_process_target_and_draft_split_one_budget_made_before_either_pool(target_model, tokenizer):
+    """Finding: Engine.from_config sized the target (whose warm-up forward then made its pool at the
+    whole budget), then sized the draft with the target's budget reserved again: counted twice, the
+    draft's budget went negative. Now both are sized before either pool exists, from one budget."""
+    from conftest import make_model
+
+    from app.memory import kv_bytes_per_token, size_shared_kv_budget
+
+    total, weights = int(79.1 * GiB), 10 * GiB
+    before_pools = lambda d: (total - weights, total)  # noqa: E731 - both models loaded, no pool yet
+    target, draft = ModelRunner(target_model, tokenizer), ModelRunner(make_model(7, layers=1), tokenizer)
+    # the old order: the target takes the whole share, its pool lands on the device, then the draft
+    target.device = draft.device = CUDA
+    size_kv_budget(target, 0.9, None, 512, mem_info=before_pools)
+    after_pool = lambda d: (total - weights - target.cache.max_bytes, total)  # noqa: E731
+    with pytest.raises(InsufficientMemoryError):
+        size_kv_budget(draft, 0.9, None, 512, mem_info=after_pool, reserved=target.cache.max_bytes)
+    # one budget, split so both hold the same tokens
+    t_bytes, d_bytes = size_shared_kv_budget([target, draft], 0.9, [None, None], 512, mem_info=before_pools)
+    pt, pd = (kv_bytes_per_token(r.model.config, r.model.dtype) for r in (target, draft))
+    assert t_bytes > 0 and d_bytes > 0 and t_bytes // pt == d_bytes // pd
+    work = sum(working_bytes(r.model.config, torch.float32, 512, 98, attention=r.attention_path) for r in (target, draft))
+    assert int(0.9 * total) - weights - work - pt - pd < t_bytes + d_bytes <= int(0.9 * total) - weights - work
+    # a byte cap still bounds its own model
+    assert size_shared_kv_budget([target, draft], 0.9, [None, GiB], 512, mem_info=before_pools)[1] == GiB
 
 
 def test_admission_refuses_a_context_past_the_kv_budget(target_model, tokenizer):
@@ -107,3 +189,20 @@ def test_tensor_parallel_ranks_agree_on_the_smallest_budget():
     for p in procs:
         p.join(timeout=60)
     assert results == {0: 3 * GiB, 1: 3 * GiB, 2: 3 * GiB}
+
+
+def test_a_gpus_per_sequence_attention_takes_only_fused_kernels_and_equals_the_plain_call():
+    """On a GPU the per-sequence path never falls back to the math kernel (scores the memory model
+    does not budget); the fused path, run here on a CPU (its flash kernel takes masks too), computes
+    the same attention as the plain GQA call."""
+    from app.ragged import sdpa
+
+    g = torch.Generator().manual_seed(0)
+    q, k, v = torch.randn(1, 8, 5, 16, generator=g), torch.randn(1, 2, 20, 16, generator=g), torch.randn(1, 2, 20, 16, generator=g)
+    mask = torch.zeros(5, 20).masked_fill_(torch.arange(20) > torch.arange(15, 20).unsqueeze(1), -torch.inf)
+    plain = sdpa(q, k, v, mask, 0.25, gqa=True)
+    assert torch.allclose(sdpa(q, k, v, mask, 0.25, gqa=True, fused_only=True), plain, atol=1e-5)
+    from torch.nn.attention import SDPBackend
+
+    import app.ragged as ragged
+    assert SDPBackend.MATH not in ragged.FUSED

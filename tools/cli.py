@@ -133,6 +133,11 @@ def parser() -> argparse.ArgumentParser:
     add_bench_arguments(b)
     b.set_defaults(func=cmd_bench)
 
+    pl = sub.add_parser("plan", help="will each replica of a Serve config or RayService manifest fit its GPU?",
+                        add_help=False)
+    pl.set_defaults(func=lambda a: __import__("tools.plan", fromlist=["main"]).main(a.rest))
+    pl.add_argument("rest", nargs=argparse.REMAINDER)
+
     d = sub.add_parser("demo-models", help="build (or find in the cache) a draft/target pair, then measure it")
     _pair_arguments(d)
     d.add_argument("--rebuild", action="store_true", help="build again even when cached")
