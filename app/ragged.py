@@ -198,26 +198,19 @@ def attend(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, layer: i
     return out
 
 
-FUSED = None  # the SDPA kernels that materialise no scores (set on first use: torch.nn.attention's enum)
-
-
 def sdpa(query, key, value, mask, scale: float, gqa: bool, fused_only: bool = False) -> torch.Tensor:
-    """torch's SDPA over one sequence. fused_only (on a GPU): only the kernels that hold no [heads,
-    queries, keys] scores, an error rather than the math kernel's silent fallback, which at a 131k
-    context needs gigabytes the memory model does not give it (app/memory.py). Keys and values are
-    repeated to the query heads there, as the fused kernels take a mask only without enable_gqa."""
-    global FUSED
-    if not fused_only:
-        return torch.nn.functional.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=scale,
-                                                                enable_gqa=gqa)
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-
-    FUSED = FUSED or [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.CUDNN_ATTENTION]
-    if gqa:
+    """torch's SDPA over one sequence. fused_only (on a GPU): keys and values repeated to the query
+    heads, so that a masked call can take the memory-efficient kernel, which holds no [heads,
+    queries, keys] scores: with enable_gqa a masked call on a GPU has only the math kernel, whose
+    scores at a 131k context need gigabytes the memory model does not give it (app/memory.py).
+    The kernels are not restricted with torch's sdpa_kernel: its flags are the process's, not the
+    thread's, and on the first GPU run a restriction held by one forward thread failed another
+    thread's plain float32 call ("No available kernel")."""
+    if fused_only and gqa:
         groups = query.shape[1] // key.shape[1]
-        key, value = key.repeat_interleave(groups, 1), value.repeat_interleave(groups, 1)
-    with sdpa_kernel(FUSED):
-        return torch.nn.functional.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=scale)
+        key, value, gqa = key.repeat_interleave(groups, 1), value.repeat_interleave(groups, 1), False
+    return torch.nn.functional.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=scale,
+                                                            enable_gqa=gqa)
 
 
 @attend.register_fake

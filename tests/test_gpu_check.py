@@ -17,6 +17,9 @@ def test_the_gpu_check_runs_end_to_end_at_smoke_sizes(tmp_path):
     served = report["served_path"]["modes"]
     assert set(served) == {"off", "default"} and served["default"]["compiled"]  # reduce-overhead: CUDA only
     assert all(m["identical"] == report["served_path"]["batch"] and m["prefix_hit_tokens"] > 0 for m in served.values())
+    production = report["production_path"]  # loaded as a replica loads, compiled, recompiles an error once warm
+    assert production["compiled"] and production["identical_rerun"] == production["requests"]
+    assert production["kv_tokens"] >= 2048 and production["rounds"] > 0
     bench = report["benchmark"]
     assert set(bench["costs_by_batch"]) == {"1", "8", "32"} and bench["c"] > 0
     assert set(bench["tokens_per_s"]) == {"speculative K=4", "speculative auto", "HF generate", "HF assisted K=4"}
@@ -59,3 +62,4 @@ def test_a_cpu_without_native_bf16_skips_the_bf16_check_and_benchmarks_in_float3
     with pytest.raises(RuntimeError, match="stop before"):
         gpu_check.benchmark("cpu", smoke=False)  # the full-size benchmark picks its dtype by the rule
     assert seen == [torch.float32]
+

@@ -14,7 +14,10 @@ architecture, with random weights scaled so its distributions are peaked like a 
    KV, and compiled steps (`compile="default"`, then the CUDA-graph mode `reduce-overhead` on a
    GPU); greedy output equals the eager engine's and HF `generate`'s, and the compiled step's time
    is set against the eager one's.
-4. benchmark: a Llama-shaped target of about 1B parameters and a 2-layer draft in bf16 (float32 on a
+4. production path: the pair loaded as a replica loads it (the budget from the device's memory), bf16,
+   compiled, 32 requests (greedy and seeded sampled), recompiles an error once warm, syncs counted
+   (torch.cuda.set_sync_debug_mode); a second run must give the same tokens.
+5. benchmark: a Llama-shaped target of about 1B parameters and a 2-layer draft in bf16 (float32 on a
    CPU without native bf16, where the bf16 identity check is skipped too: `app.dtypes`); the K+1
    verify cost against one step at batch 1, 8 and 32, the cost ratio c, and tok/s of speculative
    decoding against HF `generate` and HF assisted generation.
@@ -28,6 +31,7 @@ import sys
 import time
 
 import torch
+import torch._dynamo
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
 from app import dtypes
@@ -200,6 +204,75 @@ def check_served_path(device: str, smoke: bool) -> dict:
     return report
 
 
+# --- 3b. the production path ---------------------------------------------------------------------
+
+def check_production(device: str, smoke: bool) -> dict:
+    """The served path as a replica runs it: the pair saved and loaded by `load_pair` (the KV budget
+    from the device's real memory, max_model_len enforced), bf16 where the device has it, compiled
+    steps, 32 requests at once (half greedy, half sampled and seeded, varied prompt lengths), dynamo
+    recompiles an error once warm, and on CUDA torch's sync debug mode counting the host-device
+    syncs. Passes when nothing recompiles or fails and a second run gives the same tokens."""
+    import tempfile
+    import warnings
+
+    from app.config import ModelSettings, SpeculationSettings
+    from app.engine import EngineConfig
+
+    dtype = torch.float32 if smoke else dtypes.compute_dtype(device)
+    layers, hidden, vocab, n_tokens, n_req = (2, 64, 512, 12, 8) if smoke else (8, 2048, VOCAB, 48, 32)
+    target = llama(layers, hidden, vocab, 1, dtype, "cpu")
+    draft = blend(target, 1, 2, dtype, "cpu")
+    tok = tokenizer(vocab)
+    with tempfile.TemporaryDirectory() as tmp:
+        for name, model in (("target", target), ("draft", draft)):
+            model.save_pretrained(f"{tmp}/{name}")
+            tok.save_pretrained(f"{tmp}/{name}")
+        settings = ModelSettings(dtype=str(dtype).removeprefix("torch."), device=device, memory_utilization=0.9,
+                                 max_model_len=2048, compile="default", compile_max_tokens=64,
+                                 max_cache_bytes=None if device.startswith("cuda") else 64 << 20)
+        engine = Engine.from_config(EngineConfig(target=f"{tmp}/target", draft=f"{tmp}/draft", target_settings=settings,
+                                                 draft_settings=settings,
+                                                 speculation=SpeculationSettings(draft_ahead=False)))
+    g = torch.Generator().manual_seed(11)
+    batch = [torch.randint(2, vocab, (int(torch.randint(8, 200, (1,), generator=g)),), generator=g).tolist()
+             for _ in range(n_req)]
+    params = [SamplingParams(temperature=0.0 if i % 2 == 0 else 0.8, seed=None if i % 2 == 0 else i,
+                             max_tokens=n_tokens, ignore_eos=True, speculation={"num_tokens": 4}) for i in range(n_req)]
+    engine.generate([batch[0][:16]], params[0])  # first traffic: lazy set-up off the clock
+    dynamo = torch._dynamo.config
+    cuda = device.startswith("cuda")
+    report = {"dtype": str(dtype).removeprefix("torch."), "requests": n_req,
+              "kv_budget_gib": round(engine.target.cache.max_bytes / 2**30, 2),
+              "draft_kv_budget_gib": round(engine.draft.cache.max_bytes / 2**30, 2),
+              "kv_tokens": engine.target.capacity_tokens(), "compiled": engine.target.steps is not None,
+              "attention": engine.target.attention}
+    before = dynamo.error_on_recompile
+    dynamo.error_on_recompile = True
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            if cuda:
+                torch.cuda.set_sync_debug_mode("warn")
+            t0 = time.perf_counter()
+            first = engine.generate(batch, params)
+            seconds = time.perf_counter() - t0
+            if cuda:
+                torch.cuda.set_sync_debug_mode("default")
+        second = engine.generate(batch, params)
+    finally:
+        dynamo.error_on_recompile = before
+    syncs = sum("synchroniz" in str(w.message) for w in caught)
+    rounds = sum(r.speculation["rounds"] for r in first)
+    emitted = sum(len(r.token_ids) for r in first)
+    report.update(rounds=rounds, tokens=emitted, tokens_per_s=round(emitted / seconds, 1),
+                  acceptance=round(sum(r.speculation["accepted_tokens"] for r in first)
+                                   / max(1, sum(r.speculation["drafted_tokens"] for r in first)), 3),
+                  syncs=syncs if cuda else None, syncs_per_round=round(syncs / max(1, rounds), 2) if cuda else None,
+                  identical_rerun=sum(a.token_ids == b.token_ids for a, b in zip(first, second)))
+    report["ok"] = report["identical_rerun"] == n_req and all(len(r.token_ids) == n_tokens for r in first)
+    return report
+
+
 # --- 4. benchmark ------------------------------------------------------------------------------
 
 def benchmark(device: str, smoke: bool) -> dict:
@@ -234,6 +307,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--device", default="cuda", help="torch device (default cuda)")
     p.add_argument("--smoke", action="store_true", help="tiny sizes: the same code in seconds, e.g. on a CPU")
     p.add_argument("--json", help="write the report here")
+    p.add_argument("--only", help="comma-separated steps to run (default all): identity_fp32, identity_bf16, "
+                                  "sampling, served_path, production_path, benchmark")
     args = p.parse_args(argv)
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         print("gpu-check: no CUDA device visible to torch", file=sys.stderr)
@@ -244,7 +319,13 @@ def main(argv: list[str] | None = None) -> int:
               if dtypes.native_bf16(args.device) else {"ok": True, "skipped": NO_NATIVE_BF16}),
              ("sampling", lambda: check_sampling(args.device, args.smoke)),
              ("served_path", lambda: check_served_path(args.device, args.smoke)),
+             ("production_path", lambda: check_production(args.device, args.smoke)),
              ("benchmark", lambda: benchmark(args.device, args.smoke))]
+    if args.only:
+        unknown = set(args.only.split(",")) - {name for name, _ in steps}
+        if unknown:
+            p.error(f"unknown steps: {', '.join(sorted(unknown))}")
+        steps = [(name, run) for name, run in steps if name in args.only.split(",")]
     for name, run in steps:
         t0 = time.perf_counter()
         print(f"gpu-check: {name} ...", flush=True)
