@@ -116,11 +116,12 @@ class Engine:
             eos_ids, kv_capacity = target.eos_ids, target.capacity_tokens()
             if isinstance(draft, ModelRunner):
                 check_vocabularies(target.tokenizer, draft.tokenizer)
-            target = ForwardQueue(in_thread(functools.partial(verify, target)), target.release,
+            target = ForwardQueue(in_thread(functools.partial(verify, target), target.thread), target.release,
                                   name="TargetServer.verify", max_tokens=max_batch_tokens, cost=verify_tokens,
                                   forget=target.forget)
         if isinstance(draft, ModelRunner):
-            draft = ForwardQueue(in_thread(functools.partial(propose, draft, top_n=draft_top_n)), draft.release,
+            draft = ForwardQueue(in_thread(functools.partial(propose, draft, top_n=draft_top_n), draft.thread),
+                                 draft.release,
                                  name="DraftServer.propose", forget=draft.forget)
         self.verifier, self.drafter = target, draft
         self.tokenizer, self.vocab_size = tokenizer, vocab_size

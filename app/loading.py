@@ -32,8 +32,8 @@ def load_runner(path: str, settings: ModelSettings, forward_tokens: int, *, tp_s
                    max_model_len=settings.max_model_len, tp_size=tp_size, logit_rows=logit_rows, batch=batch)
     _limit_context(runner, settings)
     if tp_size == 1:
-        runner.warm(progress)
-        warm_up(runner)
+        runner.on_thread(runner.warm, progress)
+        runner.on_thread(warm_up, runner)
     return runner
 
 
@@ -54,8 +54,8 @@ def load_pair(target: str, target_settings: ModelSettings, draft: str | None, dr
     for r, settings in ((t, target_settings), (d, draft_settings)):
         if r is not None:
             _limit_context(r, settings)
-            r.warm()
-            warm_up(r)
+            r.on_thread(r.warm)
+            r.on_thread(warm_up, r)
     return t, d
 
 

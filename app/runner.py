@@ -1,8 +1,11 @@
 """ModelRunner: a Hugging Face causal LM with per-sequence KV caches and ragged batched forwards."""
 
+import contextvars
 import logging
 import os
 import sys
+import threading
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig, PreTrainedModel
@@ -124,6 +127,22 @@ class ModelRunner:
         # a table left in several runs after a forward is moved into one (measured: gathers took 14 % of
         # a served target replica's time at 16 streams, half of them borrowers of a cached prompt)
         self.compact_tables = self.device.type == "cpu"
+        # one thread runs every forward of this runner, its warm-up and compiles included (on_thread):
+        # CUDA graphs are recorded per thread, so steps recorded in one thread and replayed from the
+        # default pool's many would each re-record every bucket, after the KV pool took the memory
+        self._ident = None
+        self.thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="specserve-forward",
+                                         initializer=self._own_thread)
+
+    def _own_thread(self) -> None:
+        self._ident = threading.get_ident()
+
+    def on_thread(self, fn, *args, **kwargs):
+        """fn(*args, **kwargs) on this runner's forward thread; at once when called from it."""
+        if threading.get_ident() == self._ident:
+            return fn(*args, **kwargs)
+        ctx = contextvars.copy_context()  # the caller's context variables (torch's dynamo settings among them)
+        return self.thread.submit(ctx.run, fn, *args, **kwargs).result()
 
     @property
     def flex(self) -> bool:

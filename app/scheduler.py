@@ -25,6 +25,8 @@ other pools.
 
 import asyncio
 import collections
+import contextvars
+import functools
 import logging
 import time
 from collections.abc import Awaitable, Callable
@@ -41,10 +43,12 @@ Item, Result = TypeVar("Item"), TypeVar("Result")
 ForwardFn = Callable[[list], Awaitable[list]]
 
 
-def in_thread(fn: Callable[[list], list]) -> ForwardFn:
-    """A blocking batch function run in a worker thread (torch releases the GIL while it computes)."""
-    async def run(items: list) -> list:
-        return await asyncio.to_thread(fn, items)
+def in_thread(fn: Callable[[list], list], executor=None) -> ForwardFn:
+    """A blocking batch function run in a worker thread (torch releases the GIL while it computes):
+    `executor`'s (a runner's own forward thread, ModelRunner.thread), else asyncio's default pool."""
+    async def run(items: list) -> list:  # with the caller's context variables, as asyncio.to_thread
+        ctx = contextvars.copy_context()  # (torch's dynamo settings live in them)
+        return await asyncio.get_running_loop().run_in_executor(executor, functools.partial(ctx.run, fn, items))
     return run
 
 

@@ -112,7 +112,8 @@ class DraftServer(_Server):
         # a draft forward: a step of every sequence in the batch, or a new sequence's whole prompt
         self.runner = load_runner(path, cfg, max(batch.max_batch_size, DRAFT_PREFILL_TOKENS),
                                   logit_rows=batch.max_batch_size, batch=batch.max_batch_size)
-        self.queue = self._queue(in_thread(functools.partial(propose, self.runner, top_n=top_n)), self._release,
+        self.queue = self._queue(in_thread(functools.partial(propose, self.runner, top_n=top_n), self.runner.thread),
+                                 self._release,
                                  batch, "DraftServer.propose", self.runner.forget)
         self.callers = CallerWaits()
 
@@ -148,7 +149,7 @@ class TargetServer(_Server):
             rows = batch.max_batch_size * (speculation.k_max + 2)
             self.runner = load_runner(path, cfg, batch.max_batch_tokens, logit_rows=rows, batch=batch.max_batch_size)
             tokenizer, vocab, eos = self.runner.tokenizer, self.runner.vocab_size, self.runner.eos_ids
-            forward, release = in_thread(functools.partial(verify, self.runner)), self._release
+            forward, release = in_thread(functools.partial(verify, self.runner), self.runner.thread), self._release
             forget, kv_capacity = self.runner.forget, self.runner.capacity_tokens()
         else:
             from transformers import AutoTokenizer

@@ -219,3 +219,32 @@ def test_max_tokens_zero_scores_the_prompt_and_generates_nothing(target_runner, 
     assert scored.token_ids == [] and scored.finish_reason == "length" and scored.text == ""
     assert [e[0] for e in scored.prompt_logprobs] == pytest.approx([e[0] for e in one.prompt_logprobs], abs=1e-5)
     assert len(scored.prompt_logprobs) == len(scored.prompt_token_ids) - 1
+
+
+def test_every_forward_of_a_runner_and_its_warm_up_run_on_the_runners_one_thread(model_dirs, monkeypatch):
+    """CUDA graphs are recorded per thread: a warm-up in the loading thread and forwards spread over
+    asyncio's default pool would re-record every bucket in each thread. Each runner has one."""
+    import threading
+
+    import app.loading
+    from app.engine import Engine
+
+    warmed = []
+    real_warm_up = app.loading.warm_up
+    monkeypatch.setattr(app.loading, "warm_up", lambda r: warmed.append((r, threading.get_ident())) or real_warm_up(r))
+    engine = Engine.from_pretrained(model_dirs["target"], model_dirs["draft"], max_cache_bytes=1 << 24)
+    seen = {}
+    for r in (engine.target, engine.draft):
+        real = r.model.forward
+
+        def record(*args, _r=r, _real=real, **kwargs):
+            seen.setdefault(id(_r), set()).add(threading.get_ident())
+            return _real(*args, **kwargs)
+        r.model.forward = record
+    out = engine.generate([[5, 6, 7, 8], [9, 10, 11], [12, 13, 14, 15, 16]],
+                          {"temperature": 0, "max_tokens": 6, "ignore_eos": True, "speculation": {"num_tokens": 3}})
+    assert all(len(o.token_ids) == 6 for o in out) and sum(o.speculation["drafted_tokens"] for o in out) > 0
+    for r in (engine.target, engine.draft):
+        assert seen[id(r)] == {r._ident}  # every forward on one thread, the runner's own
+        assert (r, r._ident) in warmed  # and its warm-up there too
+    assert engine.target._ident != engine.draft._ident != threading.get_ident()

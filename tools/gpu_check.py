@@ -185,7 +185,7 @@ def check_served_path(device: str, smoke: bool) -> dict:
     for mode in ["off", "default"] + (["reduce-overhead"] if device.startswith("cuda") else []):
         runners = [ModelRunner(m, tok, compile=mode, compile_max_tokens=64) for m in (target, draft)]
         for r in runners:
-            r.warm()
+            r.on_thread(r.warm)  # on the thread its forwards run on: CUDA graphs are recorded per thread
         engine = Engine(*runners, policy=DraftPolicy(ahead=True))
         engine.generate([shared], params)  # its blocks stay as a prefix donor: the second prompt borrows them
         out = engine.generate([list(ids) for ids in batch], params)
