@@ -34,7 +34,7 @@ from typing import Generic, TypeVar
 
 from app import telemetry
 from app.batching import MicroBatcher
-from app.errors import is_fault
+from app.errors import is_fault, release_cached_memory
 
 log = logging.getLogger(__name__)
 
@@ -161,6 +161,7 @@ class ForwardQueue(Generic[Item, Result]):
                         raise
                     log.warning("%s: a batch of %d failed (%s: %s); running it again in parts", self.name,
                                 len(items), type(e).__name__, e)
+                    release_cached_memory(e)
                     results = await self._isolate(items, e)
         finally:
             for seq_id in {it.seq_id for it in items} & self._released.keys():
@@ -192,6 +193,7 @@ class ForwardQueue(Generic[Item, Result]):
                 if is_fault(e):
                     self.fault = f"{type(e).__name__}: {e}"
                     raise
+                release_cached_memory(e)
                 results += await self._isolate(part, e)
         return results
 

@@ -86,6 +86,30 @@ def test_a_fault_of_the_replica_fails_the_batch_as_it_is_and_marks_it():
     assert all(isinstance(r, ReplicaFault) for r in results) and calls == [4] and queue.fault
 
 
+def test_running_out_of_device_memory_runs_the_batch_again_in_parts_and_keeps_the_replica():
+    """A batch too big for the device's memory is a request-sized problem, not a fault: it is run
+    again in halves, and only an item too big on its own fails, alone; a CUDA error still is a fault."""
+    calls = []
+
+    async def forward(items):
+        calls.append(len(items))
+        if len(items) > 2 or any(it.seq_id == "huge" for it in items):
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB")
+        return [type("R", (), {"stats": {}, "seq": it.seq_id})() for it in items]
+    queue = ForwardQueue(forward, lambda s: None, name="f")
+    items = [VerifyItem(s, [0], Proposal.empty(), SamplingParams(), i) for i, s in enumerate("abcd")]
+    results = run_batch(queue, items[:2] + [VerifyItem("huge", [0], Proposal.empty(), SamplingParams(), 9)] + items[2:])
+    assert [getattr(r, "seq", None) for r in results] == ["a", "b", None, "c", "d"]
+    assert isinstance(results[2], torch.OutOfMemoryError) and queue.isolated == 1 and not queue.fault
+    assert calls == [5, 2, 3, 1, 2]  # whole, then halves, then the failing half's halves
+
+    async def broken(items):
+        raise RuntimeError("CUDA error: an illegal memory access was encountered")
+    queue = ForwardQueue(broken, lambda s: None, name="g")
+    results = run_batch(queue, items)
+    assert all(isinstance(r, RuntimeError) for r in results) and queue.fault
+
+
 # -- tensor parallelism: what the rank group makes of its ranks' answers --------------------------------
 def task_error(cause: Exception) -> RayTaskError:
     return RayTaskError("RankWorker.verify", "traceback", cause)
