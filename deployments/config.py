@@ -22,6 +22,9 @@ class TargetConfig(ModelConfig):
         description="Resources of each rank worker and its placement-group bundle ({GPU: 1, CPU: n} on GPU nodes).")
     replica_cpus: float = Field(
         0.25, ge=0, description="CPUs of the replica itself, in bundle 0 (>= TargetServer's ray_actor_options num_cpus).")
+    load_timeout_s: float = Field(
+        3600.0, gt=0, description="How long a tensor-parallel replica waits for its ranks to load and warm up: a "
+        "cold pod downloads the weights first (about 140 GB for a 70B model in bf16).")
     pool_resource: str | None = Field(
         "target_pool", description="Custom resource of the target node pool, added to bundle 0 so the group lands there.")
 

@@ -20,7 +20,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from transformers import AutoConfig
 
 from app.errors import ReplicaFault, is_fault
-from app.loading import load_runner
+from app.loading import load_runner, warm_up
 from app.memory import agree_on_budget
 from app.spec import Verdict, VerifyItem, verify
 from deployments.config import TargetConfig
@@ -93,7 +93,10 @@ class RankWorker:
         # this rank's shard on this rank's device, its budget sized there; TP runs eagerly
         self.runner = load_runner(path, cfg, forward_tokens, tp_size=world)
         agree_on_budget(self.runner)  # ranks evicting differently would hang on mismatched collectives
-        self.rank = rank
+        # every rank's first forward together, now: lazy CUDA, cuBLAS and NCCL set-up is paid before
+        # the replica takes traffic, not by its first requests while health pings wait behind them
+        warm_up(self.runner)
+        self.rank, self.warmed = rank, True
 
     def verify(self, items: list[VerifyItem]) -> tuple[list[Verdict], CacheSnapshot]:
         return verify(self.runner, items), CacheSnapshot.of(self.runner.cache)
@@ -107,8 +110,13 @@ class RankWorker:
     def stats(self) -> "CacheSnapshot":
         return CacheSnapshot.of(self.runner.cache, live=True)
 
+    @ray.method(concurrency_group="health")
     def ping(self) -> int:
+        """Answered at once, also while a forward runs: health checks do not queue behind the work."""
         return self.rank
+
+    def ready(self) -> dict:
+        return {"rank": self.rank, "warmed": self.warmed}
 
     def capacity_tokens(self) -> int:
         """The most positions one sequence can hold (the same on every rank: the budget is agreed)."""
@@ -125,6 +133,7 @@ class RankGroup:
     """The N rank workers of one TargetServer replica, placed in its placement group's bundles."""
 
     def __init__(self, cfg: TargetConfig, path: str, replica_id: str, forward_tokens: int, timeout_s: float = 120.0):
+        """Start the ranks and wait, up to cfg.load_timeout_s, until every one has loaded and warmed."""
         n = cfg.tensor_parallel_size
         check_divisible(path, n, cfg.trust_remote_code)
         pg = get_current_placement_group()
@@ -134,7 +143,8 @@ class RankGroup:
         gpus = float(cfg.rank_resources.get("GPU", 0))
         custom = {k: v for k, v in cfg.rank_resources.items() if k not in ("CPU", "GPU")}
         address, port = ray.util.get_node_ip_address(), _free_port()
-        worker = ray.remote(RankWorker)
+        # calls run one at a time, in order, in the default group; pings in their own (RankWorker.ping)
+        worker = ray.remote(concurrency_groups={"health": 1})(RankWorker)
         self.ranks = [
             worker.options(
                 name=f"specserve-rank-{replica_id}-{i}", namespace="specserve",
@@ -146,7 +156,8 @@ class RankGroup:
         self.timeout_s = timeout_s
         self.failed: str | None = None
         self.cache = CacheSnapshot()  # rank 0's, as of its last answer
-        ray.get([r.ping.remote() for r in self.ranks], timeout=600)  # all loaded (or raise now)
+        # all loaded and warmed (or raise now): a cold pod may first download the weights (140 GB for 70B)
+        ray.get([r.ready.remote() for r in self.ranks], timeout=cfg.load_timeout_s)
         self.capacity_tokens = ray.get(self.ranks[0].capacity_tokens.remote(), timeout=60)
 
     async def _all(self, method: str, *args):

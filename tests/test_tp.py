@@ -45,6 +45,9 @@ def test_tp2_matches_tp1_and_survives_a_killed_rank(pair):
     args = {"target": {"model": pair[0], "dtype": "float32", "tensor_parallel_size": 2}}
     with running_app(pair[0], pair[1], args=args) as url:
         assert len(rank_workers()) == 2
+        # every rank took its first forward at start, with the others (collectives), before traffic
+        assert sorted((ray.get(w.ready.remote()) for w in rank_workers()), key=lambda r: r["rank"]) == [
+            {"rank": 0, "warmed": True}, {"rank": 1, "warmed": True}]
         # single requests, then concurrent ones: token-identical to the unsharded target
         assert complete(url, PROMPTS[0]).json()["choices"][0]["text"] == reference[0]
 
