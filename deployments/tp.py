@@ -164,7 +164,10 @@ class RankGroup:
         """Call every rank; rank 0's result. A dead or hung rank fails the whole replica."""
         if self.failed:
             raise RankFailure(self.failed)
-        refs = [getattr(r, method).remote(*args) for r in self.ranks]
+        # the arguments serialised once into the object store, not once per rank (a verify batch holds
+        # every sequence's context): each rank receives the same object
+        shared = [ray.put(a) for a in args] if args and len(self.ranks) > 1 else list(args)
+        refs = [getattr(r, method).remote(*shared) for r in self.ranks]
         try:
             results = await asyncio.wait_for(asyncio.gather(*refs, return_exceptions=True), self.timeout_s)
             return group_result(results)

@@ -122,6 +122,31 @@ def test_the_same_request_error_on_every_rank_is_the_requests_and_keeps_the_grou
     assert group_result([["rank 0"], ["rank 1"]]) == ["rank 0"]
 
 
+def test_a_rank_group_serialises_a_batch_once_for_all_its_ranks(monkeypatch):
+    """Every round's batch (every sequence's context) went to the object store once per rank."""
+    from deployments import tp
+
+    put = []
+    monkeypatch.setattr(tp.ray, "put", lambda value: put.append(value) or ("ref", len(put)))
+
+    class Rank:
+        def __init__(self, i):
+            self.verify, self.got = self, []
+
+        def remote(self, *args):
+            self.got.append(args)
+
+            async def answer():
+                return [["verdicts"], "cache"]
+            return answer()
+    group = object.__new__(tp.RankGroup)
+    group.ranks, group.timeout_s, group.failed = [Rank(0), Rank(1), Rank(2)], 10.0, None
+    batch = [VerifyItem("s", list(range(1000)), Proposal.empty(), SamplingParams(), 0)]
+    assert asyncio.run(group._all("verify", batch)) == [["verdicts"], "cache"]
+    assert put == [batch]  # one serialisation
+    assert [r.got for r in group.ranks] == [[(("ref", 1),)]] * 3  # the same object to every rank
+
+
 @pytest.mark.parametrize("results", [
     [["ok"], ActorDiedError()],  # a rank died
     [task_error(ValueError("x")), ["ok"]],  # ranks disagree: collectives may be out of step
