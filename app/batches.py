@@ -12,6 +12,7 @@ from transformers.cache_utils import Cache, DynamicLayer
 from app.hf_compat import with_cache
 from app.kv import SequenceCache, common_prefix, grown_capacity
 from app.ragged import LAYOUT, Layout, Span, active
+from app.syncs import upload
 
 
 @dataclass
@@ -85,9 +86,10 @@ class RaggedBatch:
         """One forward of the packed row (ids: a list, or a [1, T] tensor on the device); returns the
         logits at `keep` (flat indices), [len(keep), V] float32."""
         device, runner = self.runner.device, self.runner
-        index = torch.tensor(keep, device=device)
-        input_ids = ids if isinstance(ids, torch.Tensor) else torch.tensor([ids], device=device)
-        position_ids = torch.tensor([positions], device=device)
+        # the forward's indices in one host-to-device copy (app/syncs.py)
+        staged = upload([keep, positions, layout.slot_list] + ([] if isinstance(ids, torch.Tensor) else [ids]), device)
+        index, position_ids, layout.slots = staged[0], staged[1].unsqueeze(0), staged[2]
+        input_ids = ids if isinstance(ids, torch.Tensor) else staged[3].unsqueeze(0)
         bucket = runner.steps.bucket(len(positions)) if runner.steps else None
         if layout.flex:  # its mask is built here, eagerly: create_block_mask does not run inside a compiled step
             layout.block_mask(bucket or len(positions))

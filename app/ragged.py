@@ -81,8 +81,9 @@ class Layout:
         self.flex = attention == "flex"
         self._mask = None  # (padded row length, BlockMask) of the flex path, built by the first layer
         device = pool.keys[0].device
-        self.slots = torch.tensor([slot for s in spans for slot in s.entry.slots(s.start, s.start + s.length)],
-                                  dtype=torch.long, device=device)
+        # the pool slots of the row's new positions: uploaded with the forward's other indices (Batch._run)
+        self.slot_list = [slot for s in spans for slot in s.entry.slots(s.start, s.start + s.length)]
+        self._slots = None
         # the CPU kernel's spans (a few rows each: decode steps, verify rows), in one call per layer
         short = [s for s in spans if s.length <= cpu_attention.MAX_ROWS] if attention == "cpu_paged" else []
         self.paged = cpu_attention.Spans(short) if short else None
@@ -92,6 +93,16 @@ class Layout:
             s.runs = s.entry.runs(s.start + s.length)
             if len(s.runs) > 1:
                 s.gather = torch.tensor(s.entry.slots(0, s.start + s.length), device=device)
+
+    @property
+    def slots(self) -> torch.Tensor:
+        if self._slots is None:
+            self._slots = torch.tensor(self.slot_list, dtype=torch.long, device=self.pool.keys[0].device)
+        return self._slots
+
+    @slots.setter
+    def slots(self, value: torch.Tensor) -> None:
+        self._slots = value
 
     def write(self, keys: torch.Tensor, values: torch.Tensor, layer: int) -> None:
         """Write the packed new keys/values ([1, H, T', D], T' >= T: a compiled step pads the row) into

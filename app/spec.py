@@ -8,11 +8,13 @@ from dataclasses import dataclass, field
 
 import torch
 
+from app.errors import InvalidRequestError
 from app.grammar import Grammars
 from app.logits import LogitRules
 from app.params import SamplingParams
 from app.runner import ModelRunner, SeqInput
 from app.sampling import DRAFT, EMIT, SamplingSteps, process_logits, rejection_sample, sample, uniform
+from app.syncs import upload
 
 
 @dataclass
@@ -107,12 +109,16 @@ def token_logprobs(logprobs: torch.Tensor, tokens: list[int], top: int) -> list[
 
 
 def _sampling_tensors(params: list[SamplingParams], device: torch.device, repeat: int = 1):
-    """(temperature, top_k, top_p, min_p) as [N * repeat] tensors on `device` (the logits')."""
-    t = torch.tensor([p.temperature for p in params], device=device).repeat_interleave(repeat)
-    k = torch.tensor([p.top_k for p in params], device=device).repeat_interleave(repeat)
-    p_ = torch.tensor([p.top_p for p in params], device=device).repeat_interleave(repeat)
-    m = torch.tensor([p.min_p for p in params], device=device).repeat_interleave(repeat)
-    return t, k, p_, m
+    """(temperature, top_k, top_p, min_p) as [N * repeat] tensors on `device` (the logits'), in one
+    host-to-device copy: float64 holds each value exactly (top_k is bounded far below 2**53), and each
+    is cast as a tensor of its own values would have been made (float32, int64)."""
+    if any(not -2**53 < p.top_k < 2**53 for p in params):  # a value float64 would not hold exactly
+        raise InvalidRequestError("top_k is out of range", param="top_k")
+    host = torch.tensor([[p.temperature for p in params], [p.top_k for p in params], [p.top_p for p in params],
+                         [p.min_p for p in params]], dtype=torch.float64)
+    moved = (host.pin_memory() if device.type == "cuda" else host).to(device, non_blocking=device.type == "cuda")
+    t, k, p_, m = moved.repeat_interleave(repeat, dim=1)
+    return t.float(), k.long(), p_.float(), m.float()
 
 
 def _truncate_top_n(probs: torch.Tensor, top_n: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -122,33 +128,33 @@ def _truncate_top_n(probs: torch.Tensor, top_n: int) -> tuple[torch.Tensor, torc
     return q_ids, q_probs / q_probs.sum(-1, keepdim=True)
 
 
-def _draft_step(logits: torch.Tensor, items: list[ProposeItem], positions: torch.Tensor, top_n: int):
-    """Sample one draft token per row. logits [B, V]; positions [B] absolute, on the logits' device ->
-    tokens, q_ids, q_probs there."""
+def _draft_step(logits: torch.Tensor, items: list[ProposeItem], positions: torch.Tensor, top_n: int,
+                sampling: tuple | None, seeds: torch.Tensor | None):
+    """Sample one draft token per row. logits [B, V]; positions [B] absolute, on the logits' device;
+    `sampling` (_sampling_tensors) and `seeds` [B] there, made once per proposal (None when all are
+    greedy) -> tokens, q_ids, q_probs there."""
     device = logits.device
-    if all(it.sampling.greedy for it in items):  # q is one-hot at the argmax: nothing to sample
+    if sampling is None:  # q is one-hot at the argmax: nothing to sample
         tokens = logits.argmax(-1)
         return tokens, tokens.unsqueeze(-1), torch.ones(len(items), 1, device=device)
     params = [it.sampling for it in items]
-    q_ids, q_probs = _truncate_top_n(process_logits(logits, *_sampling_tensors(params, device),
+    q_ids, q_probs = _truncate_top_n(process_logits(logits, *sampling,
                                                     steps=SamplingSteps.of(params, logits.shape[-1])), top_n)
-    seeds = torch.tensor([it.seed for it in items], device=device)
     col = sample(q_probs, uniform(seeds, positions, DRAFT))
     tokens = q_ids.gather(-1, col.unsqueeze(-1)).squeeze(-1)
     return tokens, q_ids, q_probs
 
 
-def _guess(logits: torch.Tensor, items: list[ProposeItem], positions: torch.Tensor) -> torch.Tensor:
+def _guess(logits: torch.Tensor, items: list[ProposeItem], positions: torch.Tensor, sampling: tuple | None,
+           seeds: torch.Tensor | None) -> torch.Tensor:
     """The draft's guess of the target's bonus token at `positions` [B]: drawn with the very uniform the
     target's bonus draw will use, over the full processed draft distribution in the same token order,
     so where q is close to p the two draws agree (a coupling). Not part of the proposal: only which
     context is drafted ahead depends on it, never a token."""
-    if all(it.sampling.greedy for it in items):
+    if sampling is None:
         return logits.argmax(-1)
-    device = logits.device
     params = [it.sampling for it in items]
-    q = process_logits(logits, *_sampling_tensors(params, device), steps=SamplingSteps.of(params, logits.shape[-1]))
-    seeds = torch.tensor([it.seed for it in items], device=device)
+    q = process_logits(logits, *sampling, steps=SamplingSteps.of(params, logits.shape[-1]))
     return sample(q, uniform(seeds, positions, EMIT))
 
 
@@ -186,17 +192,20 @@ def propose(runner: ModelRunner, items: list[ProposeItem], top_n: int = 32) -> l
     runner.prefill(inputs)  # a long context new to the draft: in chunks, within the forward's token budget
     batch = runner.open(inputs)
     logits = torch.stack([lg[-1] for lg in batch.logits])
-    positions = torch.tensor([len(it.token_ids) for it in batch_items], device=logits.device)
     drafted = [it.k + it.guess for it in batch_items]  # the guess is one more draft step
     steps = max(drafted)
     tokens, ids, probs = [], [], []
     guess_steps = [it.k if it.guess else -1 for it in batch_items]  # on the host: no sync to test them
-    guess_step = torch.tensor(guess_steps, device=logits.device)
+    # what every step needs, on the device once per proposal (app/syncs.py: one copy each)
+    positions, guess_step, seeds = upload([[len(it.token_ids) for it in batch_items], guess_steps,
+                                           [it.seed for it in batch_items]], logits.device)
+    greedy = all(it.sampling.greedy for it in batch_items)
+    sampling = None if greedy else _sampling_tensors([it.sampling for it in batch_items], logits.device)
     for step in range(steps):
         logits = _ruled(runner.grammars, logits, batch_items, tokens)
-        t, qi, qp = _draft_step(logits, batch_items, positions + step, top_n)
+        t, qi, qp = _draft_step(logits, batch_items, positions + step, top_n, sampling, seeds)
         if step in guess_steps:
-            t = torch.where(guess_step == step, _guess(logits, batch_items, positions + step), t)
+            t = torch.where(guess_step == step, _guess(logits, batch_items, positions + step, sampling, seeds), t)
         tokens.append(t), ids.append(qi), probs.append(qp)
         if step + 1 < steps:
             logits = batch.extend(t)  # the drafted tokens stay on the device between steps
@@ -274,25 +283,24 @@ def _verdicts(batch, items: list[VerifyItem], runner: ModelRunner, kept_chunks: 
                        steps=SamplingSteps.of(params, v))
     p = p.view(b, kmax + 1, v)
 
+    # the proposals (host tensors, as they came from the draft) padded on the host, then one copy each
     m = max(it.proposal.q_ids.shape[-1] for it in items)
-    draft = torch.zeros(b, kmax, dtype=torch.long, device=device)
-    q_ids = torch.zeros(b, kmax, m, dtype=torch.long, device=device)
-    q_probs = torch.zeros(b, kmax, m, device=device)
+    q_ids = torch.zeros(b, kmax, m, dtype=torch.long)
+    q_probs = torch.zeros(b, kmax, m)
     for i, (it, k) in enumerate(zip(items, ks)):
         if k:
-            draft[i, :k] = torch.tensor(it.proposal.tokens, device=device)
             mi = it.proposal.q_ids.shape[-1]
-            q_ids[i, :k, :mi] = it.proposal.q_ids.to(device)
-            q_probs[i, :k, :mi] = it.proposal.q_probs.to(device)
-
-    def column(values, dtype=None):
-        return torch.tensor(values, dtype=dtype, device=device)
-
-    accepted, tokens = rejection_sample(
-        p, draft, q_ids, q_probs, num_draft=column(ks), greedy=column([it.sampling.greedy for it in items]),
-        seeds=column([it.seed for it in items], torch.long),
-        start_pos=column([len(it.token_ids) for it in items]),
-    )
+            q_ids[i, :k, :mi] = it.proposal.q_ids
+            q_probs[i, :k, :mi] = it.proposal.q_probs
+    cuda = device.type == "cuda"
+    q_ids, q_probs = ((x.pin_memory() if cuda else x).to(device, non_blocking=cuda) for x in (q_ids, q_probs))
+    drafts = [t for it, k in zip(items, ks) for t in list(it.proposal.tokens) + [0] * (kmax - k)]  # [b, kmax]
+    num_draft, greedy, seeds, start_pos, draft = upload(
+        [ks, [int(it.sampling.greedy) for it in items], [it.seed for it in items],
+         [len(it.token_ids) for it in items], drafts], device)
+    draft = draft.view(b, kmax)
+    accepted, tokens = rejection_sample(p, draft, q_ids, q_probs, num_draft=num_draft, greedy=greedy.bool(),
+                                        seeds=seeds, start_pos=start_pos)
     rows = torch.cat([accepted.unsqueeze(1), tokens], 1).tolist()  # the round's one device-to-host transfer
     accepted, tokens = [r[0] for r in rows], [r[1:] for r in rows]
     batch.close([len(it.token_ids) + a for it, a in zip(items, accepted)] + kept_chunks)

@@ -47,7 +47,10 @@ def test_every_mode_reports_every_key(model_dirs, tmp_path, capsys):
     assert report["costs"]["c"] > 0
     # host syncs of a steady round, counted: one per verify batch, one read per draft call (its tokens)
     # and the copies of its tokens, q ids and q probabilities
-    assert report["syncs"]["greedy"] == report["syncs"]["sampled"] == {"propose": 4, "verify": 1}
+    # and uploads: a draft forward's indices once per step (5: four tokens and the guess) and the
+    # proposal's values once; the target's forward once, and sampled its four kinds of inputs once each
+    assert report["syncs"]["greedy"] == {"propose": 4, "verify": 1, "propose_uploads": 6, "verify_uploads": 1}
+    assert report["syncs"]["sampled"] == {"propose": 4, "verify": 1, "propose_uploads": 7, "verify_uploads": 5}
     assert out_png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     printed = capsys.readouterr().out
     assert "spec-auto" in printed and "host syncs per round" in printed

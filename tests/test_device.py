@@ -14,6 +14,7 @@ from app.spec import (
     VerifyItem,
     _draft_step,
     _guess,
+    _sampling_tensors,
     _verdicts,
     propose,
 )
@@ -73,9 +74,13 @@ def test_a_draft_step_and_its_guess_on_the_device(temperature):
     items = [ProposeItem(str(i), [1, 2, 3], 3, params(temperature, top_p=0.9), seed=i) for i in range(3)]
     with guard():
         lg, positions = on_accelerator(logits(3)), on_accelerator(torch.tensor([3, 3, 3]))
-        tokens, q_ids, q_probs = _draft_step(lg, items, positions, top_n=8)
+        # what a proposal uploads once for all its steps, on the device too
+        sampling = None if temperature == 0 else _sampling_tensors([it.sampling for it in items], lg.device)
+        seeds = on_accelerator(torch.tensor([it.seed for it in items]))
+        assert sampling is None or all(is_on_accelerator(t) for t in sampling)
+        tokens, q_ids, q_probs = _draft_step(lg, items, positions, 8, sampling, seeds)
         assert all(is_on_accelerator(t) for t in (tokens, q_ids, q_probs))
-        assert is_on_accelerator(_guess(lg, items, positions))
+        assert is_on_accelerator(_guess(lg, items, positions, sampling, seeds))
 
 
 class FakeBatch:

@@ -45,3 +45,35 @@ def test_a_round_reads_the_device_once(target_model, tokenizer, greedy):
     # the draft: five steps (four tokens and the guess) and no read between them; its proposal's
     # tokens, q ids and q probabilities come back once each at the end
     assert draft_syncs.by_call == {"cpu": 3, "tolist": 1}, draft_syncs.by_call
+
+
+@pytest.mark.parametrize("greedy", [True, False], ids=["greedy", "sampled"])
+def test_a_round_uploads_a_bounded_number_of_times_whatever_the_batch(target_model, tokenizer, greedy):
+    """Host-to-device copies (from pageable memory each synchronises a GPU's stream): a forward's
+    indices go in one copy, a proposal's per-call values once for all its steps, a verify's proposals
+    in one copy per kind; before, a draft step made B+3 copies and a sampled verify 3 per sequence."""
+    counts = []
+    for prompts in (PROMPTS[:2], PROMPTS):
+        target = ModelRunner(target_model, tokenizer)
+        draft = ModelRunner(blend(target_model, 7, 0.9), tokenizer)
+        params = sampling(greedy)
+        asks = [ProposeItem(f"s{i}", p, 4, params, seed=i, guess=True) for i, p in enumerate(prompts)]
+        propose(draft, asks)
+        verify(target, [VerifyItem(a.seq_id, a.token_ids, Proposal.empty(), params, a.seed) for a in asks])
+        with SyncCounter() as draft_syncs:
+            proposals = propose(draft, asks)
+        with SyncCounter() as target_syncs:
+            verify(target, [VerifyItem(a.seq_id, a.token_ids, p, params, a.seed) for a, p in zip(asks, proposals)])
+        counts.append((draft_syncs.upload_count, target_syncs.upload_count))
+    steps = 5  # four draft tokens and the guess
+    # the draft: one per step's forward, and once per proposal its positions and seeds (and, sampled,
+    # its sampling parameters); the target: one for its forward (and, sampled, the sampling
+    # parameters, the proposals' q ids, their q probabilities, and its columns)
+    assert counts == [(steps + 1, 1)] * 2 if greedy else counts == [(steps + 2, 5)] * 2, counts
+
+
+def test_the_counter_sees_uploads_the_engine_asks_for():
+    ids = [1, 2, 3]
+    with SyncCounter(upload_callers=(__name__,)) as syncs:
+        torch.tensor(ids, device="cpu"), torch.tensor(ids), torch.zeros(3).to("cpu"), torch.zeros(3).to(torch.float64)
+    assert syncs.uploads == {"tensor": 1, "to": 1} and syncs.count == 0

@@ -293,8 +293,9 @@ def bench_cli(args) -> int:
         return 1
     print(format_table(report))
     syncs = report["syncs"]
-    print(f"host syncs per round (a batch of {syncs['batch']}, K = {syncs['k']} and the guess): " + "; ".join(
-        f"{name}: draft propose {syncs[name]['propose']}, target verify {syncs[name]['verify']}"
-        for name in ("greedy", "sampled")))
+    print(f"host syncs per round (a batch of {syncs['batch']}, K = {syncs['k']} and the guess), device reads / "
+          "uploads: " + "; ".join(
+              f"{name}: draft propose {syncs[name]['propose']} / {syncs[name]['propose_uploads']}, "
+              f"target verify {syncs[name]['verify']} / {syncs[name]['verify_uploads']}" for name in ("greedy", "sampled")))
     write_outputs(report, args.json, args.plot, plot)
     return 0

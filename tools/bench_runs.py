@@ -189,5 +189,6 @@ def measure_syncs(engine: Engine, ids: list[list[int]], k: int = 4) -> dict:
                    [VerifyItem(a.seq_id, a.token_ids, p, params, a.seed) for a, p in zip(asks, proposals)])
         for a in asks:
             engine.draft.forget(a.seq_id), engine.target.forget(a.seq_id)
-        out[name] = {"propose": draft.count, "verify": target.count}
+        out[name] = {"propose": draft.count, "verify": target.count,
+                     "propose_uploads": draft.upload_count, "verify_uploads": target.upload_count}
     return out
