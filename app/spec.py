@@ -14,7 +14,7 @@ from app.logits import LogitRules
 from app.params import SamplingParams
 from app.runner import ModelRunner, SeqInput
 from app.sampling import DRAFT, EMIT, SamplingSteps, process_logits, rejection_sample, sample, uniform
-from app.syncs import upload
+from app.syncs import to_device, upload
 
 
 @dataclass
@@ -116,8 +116,7 @@ def _sampling_tensors(params: list[SamplingParams], device: torch.device, repeat
         raise InvalidRequestError("top_k is out of range", param="top_k")
     host = torch.tensor([[p.temperature for p in params], [p.top_k for p in params], [p.top_p for p in params],
                          [p.min_p for p in params]], dtype=torch.float64)
-    moved = (host.pin_memory() if device.type == "cuda" else host).to(device, non_blocking=device.type == "cuda")
-    t, k, p_, m = moved.repeat_interleave(repeat, dim=1)
+    t, k, p_, m = to_device(host, device).repeat_interleave(repeat, dim=1)
     return t.float(), k.long(), p_.float(), m.float()
 
 
@@ -292,8 +291,7 @@ def _verdicts(batch, items: list[VerifyItem], runner: ModelRunner, kept_chunks: 
             mi = it.proposal.q_ids.shape[-1]
             q_ids[i, :k, :mi] = it.proposal.q_ids
             q_probs[i, :k, :mi] = it.proposal.q_probs
-    cuda = device.type == "cuda"
-    q_ids, q_probs = ((x.pin_memory() if cuda else x).to(device, non_blocking=cuda) for x in (q_ids, q_probs))
+    q_ids, q_probs = to_device(q_ids, device), to_device(q_probs, device)
     drafts = [t for it, k in zip(items, ks) for t in list(it.proposal.tokens) + [0] * (kmax - k)]  # [b, kmax]
     num_draft, greedy, seeds, start_pos, draft = upload(
         [ks, [int(it.sampling.greedy) for it in items], [it.seed for it in items],

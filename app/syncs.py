@@ -80,12 +80,15 @@ def _called_from(prefixes: tuple[str, ...]) -> bool:
     return caller.startswith(prefixes)
 
 
+def to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host tensor on `device` in one copy, pinned first on a GPU so that the copy is asynchronous
+    (from pageable memory every copy synchronises the stream); on a CPU the same call, counted alike."""
+    cuda = device.type == "cuda"
+    return (host.pin_memory() if cuda else host).to(device, non_blocking=cuda)
+
+
 def upload(parts: list[list[int]], device: torch.device) -> list[torch.Tensor]:
-    """Lists of ints as int64 tensors on `device` in one host-to-device copy: one host buffer, pinned
-    on a GPU so that the copy is asynchronous (from pageable memory every copy synchronises the
-    stream), one transfer, and views of it, one per part."""
-    host = torch.tensor([x for part in parts for x in part], dtype=torch.long)
-    if device.type == "cuda":
-        host = host.pin_memory()
-    moved = host.to(device, non_blocking=device.type == "cuda")  # on a CPU the same call, counted alike
+    """Lists of ints as int64 tensors on `device` in one host-to-device copy: one host buffer, one
+    transfer (to_device), and views of it, one per part."""
+    moved = to_device(torch.tensor([x for part in parts for x in part], dtype=torch.long), device)
     return list(moved.split([len(part) for part in parts]))
