@@ -58,3 +58,8 @@ def test_a_replica_that_does_not_fit_makes_the_plan_fail_and_says_why(tmp_path):
     done = run_plan(str(path), *EIGHT_B_GPUS)
     assert done.returncode == 1, done.stdout + done.stderr
     assert "< max_model_len 600000" in done.stdout
+
+
+def test_the_command_says_how_it_is_used():
+    done = run_plan("--help")
+    assert done.returncode == 0 and "--gpu DEPLOYMENT=PRODUCT" in done.stdout and "--json" in done.stdout

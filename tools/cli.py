@@ -133,10 +133,12 @@ def parser() -> argparse.ArgumentParser:
     add_bench_arguments(b)
     b.set_defaults(func=cmd_bench)
 
+    from tools import plan
+
     pl = sub.add_parser("plan", help="will each replica of a Serve config or RayService manifest fit its GPU?",
-                        add_help=False)
-    pl.set_defaults(func=lambda a: __import__("tools.plan", fromlist=["main"]).main(a.rest))
-    pl.add_argument("rest", nargs=argparse.REMAINDER)
+                        description=plan.__doc__.splitlines()[0])
+    plan.add_arguments(pl)
+    pl.set_defaults(func=plan.run)
 
     d = sub.add_parser("demo-models", help="build (or find in the cache) a draft/target pair, then measure it")
     _pair_arguments(d)

@@ -183,13 +183,20 @@ KEYS = ("name", "gpu_bytes", "weights_bytes", "working_bytes", "kv_bytes", "kv_t
         "tensor_parallel_size", "fits", "model_config")
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="specserve plan", description=__doc__.splitlines()[0])
+def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("file", help="a Serve config (cluster/serve_config.yaml) or a RayService manifest (k8s/*.yaml)")
     p.add_argument("--gpu", action="append", default=[], metavar="DEPLOYMENT=PRODUCT",
                    help=f"a deployment's GPU where the file does not say (products: {', '.join(GPU_BYTES)})")
     p.add_argument("--json", action="store_true", help="print a JSON list, one object per deployment")
-    args = p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="specserve plan", description=__doc__.splitlines()[0])
+    add_arguments(p)
+    return run(p.parse_args(argv))
+
+
+def run(args: argparse.Namespace) -> int:
     gpus = dict(g.split("=", 1) for g in args.gpu)
     rows = plan_file(args.file, gpus)
     if args.json:
