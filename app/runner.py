@@ -78,6 +78,10 @@ def load_generation_config(name_or_path: str, trust_remote_code: bool = False):
 ATTENTION = ("auto", "flex", "cpu_paged", "per_sequence")  # app/ragged.py
 
 
+def _note_thread(holder: list) -> None:
+    holder[0] = threading.get_ident()
+
+
 class ModelRunner:
     """Runs one model over many sequences at once, reusing each sequence's cached prefix."""
 
@@ -130,12 +134,15 @@ class ModelRunner:
         # one thread runs every forward of this runner, its warm-up and compiles included (on_thread):
         # CUDA graphs are recorded per thread, so steps recorded in one thread and replayed from the
         # default pool's many would each re-record every bucket, after the KV pool took the memory
-        self._ident = None
+        # (the thread holds only this one-item list, never the runner: a runner no longer used is freed,
+        # its KV pool with it, and its executor and thread then go too)
+        self._thread_ident: list[int | None] = [None]
         self.thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="specserve-forward",
-                                         initializer=self._own_thread)
+                                         initializer=_note_thread, initargs=(self._thread_ident,))
 
-    def _own_thread(self) -> None:
-        self._ident = threading.get_ident()
+    @property
+    def _ident(self) -> int | None:
+        return self._thread_ident[0]
 
     def on_thread(self, fn, *args, **kwargs):
         """fn(*args, **kwargs) on this runner's forward thread; at once when called from it."""

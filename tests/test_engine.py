@@ -248,3 +248,20 @@ def test_every_forward_of_a_runner_and_its_warm_up_run_on_the_runners_one_thread
         assert seen[id(r)] == {r._ident}  # every forward on one thread, the runner's own
         assert (r, r._ident) in warmed  # and its warm-up there too
     assert engine.target._ident != engine.draft._ident != threading.get_ident()
+
+
+def test_a_runner_no_longer_used_is_freed_though_its_forward_thread_ran(target_model, tokenizer):
+    """The forward thread must not hold its runner: the suite's thousands of runners (each with a KV
+    pool made at its first forward) were all kept alive until memory ran out."""
+    import gc
+    import weakref
+
+    from app.runner import ModelRunner, SeqInput
+
+    runner = ModelRunner(target_model, tokenizer)
+    runner.on_thread(runner.forward, [SeqInput("a", [5, 6, 7], 1)])
+    assert runner.cache.pool is not None and runner._ident is not None
+    freed = weakref.ref(runner)
+    del runner
+    gc.collect()
+    assert freed() is None
