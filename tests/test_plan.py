@@ -40,7 +40,7 @@ def test_the_gpu_manifest_reads_the_pools_gpus_and_shards_the_target_four_ways()
     target, draft = rows["TargetServer"], rows["DraftServer"]
     assert (target.gpu, draft.gpu) == ("NVIDIA-H100-80GB-HBM3", "NVIDIA-L4")
     assert target.tensor_parallel_size == 4 and target.max_model_len == draft.max_model_len == 131072
-    # 70.6B parameters in bf16, the decoder's matrices and the head sharded, the embedding whole: 32-34 GiB a rank
+    # 70.6B parameters in bf16, all sharded by transformers' plan (embedding by rows, head by vocabulary)
     assert 32 * 2**30 < target.weights_bytes < 34 * 2**30
     assert 2.2 * 2**30 < draft.weights_bytes < 2.4 * 2**30  # 1.24B with a tied head, whole
 
