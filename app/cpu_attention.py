@@ -8,99 +8,36 @@ and a compiled gather measured slower still (docs/architecture.md, "CPU attentio
 span's attention is a small C++ kernel (app/kernels/paged_attention.cpp): every short span of the
 layer in one call, each row's keys and values read through its block table where they lie.
 
-The kernel is compiled here, once per machine, with the machine's own instruction set
-(`-march=native`: the binary is cached under a key of the source, the compiler and the CPU's
-flags, never shared between different CPUs) and loaded with ctypes, which releases the GIL while
-it runs. No compiler (the same need as compiled steps), a build that fails, or a pool that is not
-float32: None, and attention stays torch's, one call per sequence.
+The kernel is compiled once per machine for its own instruction set (app/native.py). No compiler
+(the same need as compiled steps), a build that fails, or a pool that is not float32: None, and
+attention stays torch's, one call per sequence.
 
-Math flags: -ffast-math vectorises the exponentials and the sums (glibc's vector expf) and is
-given to the compile step alone; linked with it, GCC would add a start-up object that turns on
-flush-to-zero for the whole process and change every other kernel's results.
+Math flags: -ffast-math vectorises the exponentials and the sums (glibc's vector expf); it is
+given to the compile step alone (app/native.py says why).
 """
 
 import ctypes
-import hashlib
-import logging
-import os
-import platform
-import shutil
-import subprocess
-import tempfile
-import threading
-from pathlib import Path
 
 import torch
 
+from app import native
 from app.kv import BLOCK_SIZE
 
-log = logging.getLogger(__name__)
-
-SOURCE = Path(__file__).parent / "kernels" / "paged_attention.cpp"
+SOURCE = "paged_attention.cpp"  # in app/kernels/, built by app/native.py
 MAX_ROWS = 8  # spans up to this many new rows take the kernel; longer ones (prompts) torch's SDPA
-_SYMBOL = "specserve_paged_attention_f32"
 _FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp-simd", "-fPIC", "-std=c++17"]
-
-_lock = threading.Lock()
-_loaded: dict[str, object] = {}  # "kernel": the ctypes function or None, once tried
-
-
-def _cpu_key() -> str:
-    """What the binary depends on besides its source: the machine's ISA flags."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            flags = next((line for line in f if line.startswith(("flags", "Features"))), "")
-    except OSError:
-        flags = ""
-    return platform.machine() + flags
-
-
-def _cache_dir() -> Path:
-    root = os.environ.get("SPECSERVE_KERNEL_CACHE") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "specserve", "kernels")
-    return Path(root)
-
-
-def build() -> Path | None:
-    """The kernel's shared library, compiled if this machine has none yet; None when it cannot be."""
-    cxx = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
-    if not cxx:
-        log.info("paged CPU attention: no C++ compiler; attention is one SDPA call per sequence")
-        return None
-    try:
-        version = subprocess.run([cxx, "--version"], capture_output=True, text=True, timeout=30).stdout
-        key = hashlib.sha256("\0".join([SOURCE.read_text(), version, " ".join(_FLAGS), _cpu_key()]).encode())
-        lib = _cache_dir() / f"paged_attention-{key.hexdigest()[:20]}.so"
-        if lib.exists():
-            return lib
-        lib.parent.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryDirectory(dir=lib.parent) as tmp:  # replicas may build at once: rename atomically
-            obj, out = os.path.join(tmp, "k.o"), os.path.join(tmp, "k.so")
-            subprocess.run([cxx, *_FLAGS, "-c", str(SOURCE), "-o", obj], check=True, capture_output=True, timeout=300)
-            subprocess.run([cxx, "-shared", "-pthread", obj, "-o", out, "-lm"], check=True, capture_output=True,
-                           timeout=300)
-            os.replace(out, lib)
-        return lib
-    except (OSError, subprocess.SubprocessError) as e:
-        detail = getattr(e, "stderr", b"") or b""
-        log.warning("paged CPU attention: build failed (%s %s); attention is one SDPA call per sequence", e,
-                    detail.decode(errors="replace")[-500:])
-        return None
 
 
 def kernel():
     """The loaded kernel (a ctypes function), or None where it cannot be built. Built once a process."""
-    with _lock:
-        if "kernel" not in _loaded:
-            lib, fn = build(), None
-            if lib is not None:
-                fn = getattr(ctypes.CDLL(str(lib)), _SYMBOL)
-                i64, ptr = ctypes.c_int64, ctypes.c_void_p
-                fn.argtypes = [ptr, i64, i64, ptr, ptr, ptr, ptr, i64, ptr, i64, i64, i64, i64, i64, ctypes.c_float,
-                               i64]
-                fn.restype = None
-            _loaded["kernel"] = fn
-        return _loaded["kernel"]
+    lib = native.load(SOURCE, _FLAGS)
+    if lib is None:
+        return None
+    fn = lib.specserve_paged_attention_f32
+    i64, ptr = ctypes.c_int64, ctypes.c_void_p
+    fn.argtypes = [ptr, i64, i64, ptr, ptr, ptr, ptr, i64, ptr, i64, i64, i64, i64, i64, ctypes.c_float, i64]
+    fn.restype = None
+    return fn
 
 
 def usable(pool_dtype: torch.dtype, device: torch.device) -> bool:

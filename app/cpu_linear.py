@@ -1,58 +1,148 @@
-"""Linear layers with weights prepacked for oneDNN: the CPU matmul that suits serving.
+"""Linear layers with weights packed once for the CPU kernel that suits serving.
 
-On a CPU, `nn.Linear` multiplies by a weight in its stored [out, in] layout, and for the few rows a
-decode or verify step has (1 to ~100) that kernel reads the weights several times over: measured
-on the demo target (2 cores, fp32), a 5-row verify spent 14 ms in its linears against 5 ms with the
-weights prepacked once into oneDNN's blocked layout. torch ships that kernel (its CPU compiler's
-weight-freezing pass uses it); this module applies it to an eager Hugging Face model, so the
-model's own forward, caches and attention are untouched.
+A decode step or a verify multiplies 1 to ~100 rows by every weight of the model, so on a CPU its
+linears run at the speed the weights stream from memory. `nn.Linear`'s kernels are built for many
+rows and stream well below it: on the reference target's matrices (2-core AMD EPYC, one thread,
+float32, 1 row) `F.linear` read 9 to 13 GB/s and oneDNN's prepacked weights 11 to 12 GB/s, where
+the core reads 23 GB/s. So the small-row linear is a C++ kernel (app/kernels/small_gemm.cpp, built
+by app/native.py) over weights packed into column groups that each stream contiguously: 16 to 22
+GB/s at 1 row on the same matrices.
+
+Its op, `specserve::linear`, runs eager and inside the compiled steps alike (inductor keeps it as
+an opaque call), so compiled and eager forwards compute the same linears. Every output is one chain
+of fused multiply-adds over the inputs in order, whatever the number of rows: a verify's rows equal
+the plain steps' bit for bit.
+
+Where the kernel cannot be built (no compiler), eager forwards fall back on oneDNN's prepacked
+weights (torch ships that kernel for its compiler's weight-freezing pass) and compiled ones keep
+inductor's matmuls, which cannot lower the oneDNN op.
 """
+
+import ctypes
 
 import torch
 from torch import nn
 
+from app import native
+
+SOURCE = "small_gemm.cpp"  # in app/kernels/, built by app/native.py
+# no -ffast-math: reassociated sums would make a row's result depend on the tile it runs in
+_FLAGS = ["-O3", "-march=native", "-ffp-contract=fast", "-fPIC", "-std=c++17"]
 _PACKABLE = (torch.float32, torch.bfloat16)
-PACK_ROWS = 16  # the row count oneDNN lays the weights out for
+PACK_ROWS = 16  # the row count oneDNN lays the fallback's weights out for
 
 
-def packing_available() -> bool:
-    """Whether this torch build has oneDNN's prepacked linear."""
+def _kernel() -> ctypes.CDLL | None:
+    lib = native.load(SOURCE, _FLAGS)
+    if lib is not None and lib.specserve_gemm_f32.restype is not None:
+        i64, ptr = ctypes.c_int64, ctypes.c_void_p
+        for fn in (lib.specserve_gemm_f32, lib.specserve_gemm_bf16):
+            fn.argtypes = [ptr, i64, i64, ptr, i64, ptr, ptr, i64]
+            fn.restype = None
+        for fn in (lib.specserve_gemm_pack_f32, lib.specserve_gemm_pack_bf16):
+            fn.argtypes = [ptr, i64, i64, ptr]
+            fn.restype = None
+        lib.specserve_gemm_group_width.restype = i64
+    return lib
+
+
+_FUNCTIONS: dict[torch.dtype, object] = {}  # weights' dtype -> the kernel's function
+
+
+def kernel_available() -> bool:
+    """Whether this machine built the small-row kernel."""
+    lib = _kernel()
+    if lib is not None and not _FUNCTIONS:
+        _FUNCTIONS.update({torch.float32: lib.specserve_gemm_f32, torch.bfloat16: lib.specserve_gemm_bf16})
+    return lib is not None
+
+
+def onednn_available() -> bool:
+    """Whether this torch build has oneDNN's prepacked linear (the fallback)."""
     return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
 
 
-class PackedLinear(nn.Module):
-    """y = x W^T + b with W prepacked for oneDNN; same maths as the nn.Linear it replaces."""
+def pack(weight: torch.Tensor) -> torch.Tensor:
+    """`weight` ([out, in], float32 or bfloat16) in the kernel's layout: [groups, in, group width]."""
+    lib = _kernel()
+    weight = weight.detach().contiguous()
+    width = lib.specserve_gemm_group_width()
+    out = torch.empty(-(-weight.shape[0] // width), weight.shape[1], width, dtype=weight.dtype)
+    fn = lib.specserve_gemm_pack_f32 if weight.dtype == torch.float32 else lib.specserve_gemm_pack_bf16
+    fn(weight.data_ptr(), weight.shape[0], weight.shape[1], out.data_ptr())
+    return out
 
-    def __init__(self, linear: nn.Linear):
+
+# Defined through torch.library.Library rather than torch.library.custom_op: a step makes one call per
+# linear (211 on the reference target), and custom_op's wrappers cost about 20 us a call against 5.
+_LIBRARY = torch.library.Library("specserve", "FRAGMENT")
+_LIBRARY.define("linear(Tensor x, Tensor packed, Tensor? bias, int out_features) -> Tensor")
+
+
+def _linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, out_features: int) -> torch.Tensor:
+    """x [..., in] @ W^T + bias -> [..., out_features] in x's dtype, W packed by `pack`. The kernel
+    computes in float32 (bfloat16 inputs and weights widen exactly) and the result is rounded once."""
+    wide = x.dtype == torch.float32  # the common case, with no conversion: a step makes 211 of these calls
+    rows = x if wide and x.is_contiguous() else x.to(torch.float32).contiguous()
+    y = torch.empty(*x.shape[:-1], out_features, dtype=torch.float32)
+    b = None if bias is None else bias.to(torch.float32).contiguous()
+    fn = _FUNCTIONS[packed.dtype]
+    fn(rows.data_ptr(), rows.numel() // rows.shape[-1], rows.shape[-1], packed.data_ptr(), out_features,
+       None if b is None else b.data_ptr(), y.data_ptr(), torch.get_num_threads())
+    return y if wide else y.to(x.dtype)
+
+
+_LIBRARY.impl("linear", _linear, "CPU")
+
+
+@torch.library.register_fake("specserve::linear")
+def _(x, packed, bias, out_features):
+    return x.new_empty(*x.shape[:-1], out_features)
+
+
+linear = torch.ops.specserve.linear.default
+
+
+class PackedLinear(nn.Module):
+    """y = x W^T + b on packed weights: the small-row kernel's, or oneDNN's where it is missing."""
+
+    def __init__(self, layer: nn.Linear, kernel: bool):
         super().__init__()
-        self.in_features, self.out_features = linear.in_features, linear.out_features
-        weight = linear.weight.detach()
-        # the batch-size hint only picks the blocked layout; any row count runs on it, but the layout
+        self.in_features, self.out_features = layer.in_features, layer.out_features
+        self.kernel = kernel
+        weight = layer.weight.detach()
+        # oneDNN's batch-size hint only picks the blocked layout; any row count runs on it, but the layout
         # oneDNN picks for 1 row is slow for every row count (demo target, 1 core: 1 row 5.6 ms vs 4.3,
         # 5 rows 8.9 vs 4.7); from 4 up the hints measure alike
-        self.register_buffer("packed", torch.ops.mkldnn._reorder_linear_weight(weight, PACK_ROWS), persistent=False)
-        bias = None if linear.bias is None else linear.bias.detach()
+        packed = pack(weight) if kernel else torch.ops.mkldnn._reorder_linear_weight(weight, PACK_ROWS)
+        self.register_buffer("packed", packed, persistent=False)
+        bias = None if layer.bias is None else layer.bias.detach()
         self.register_buffer("bias", bias, persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: [..., in] -> [..., out]
+        if self.kernel:
+            return linear(x, self.packed, self.bias, self.out_features)
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
+        kind = "small-row kernel" if self.kernel else "oneDNN"
+        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, {kind}"
 
 
-def pack_linears(model: nn.Module) -> int:
+def pack_linears(model: nn.Module, compiled: bool = False) -> int:
     """Replace every CPU float32/bfloat16 nn.Linear of `model` by a PackedLinear; returns how many.
 
-    Inference only (the packed weights take no gradients). Leaves the model alone where the kernel
-    is missing or the weights live on another device.
+    Inference only (the packed weights take no gradients). Leaves the model alone where no packed
+    kernel fits: the weights live on another device, or (`compiled`: the forward is a compiled graph)
+    only oneDNN's op is at hand, which inductor cannot lower.
     """
-    if not packing_available():
+    kernel = kernel_available()
+    if not kernel and (compiled or not onednn_available()):
         return 0
     count = 0
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
             if type(child) is nn.Linear and child.weight.device.type == "cpu" and child.weight.dtype in _PACKABLE:
-                setattr(parent, name, PackedLinear(child))
+                setattr(parent, name, PackedLinear(child, kernel))
                 count += 1
     return count

@@ -119,11 +119,12 @@ class ModelRunner:
         elif attention == "cpu_paged" and not cpu_attention.usable(model.dtype, self.device):
             raise ValueError("attention='cpu_paged' needs a float32 model on a CPU and a C++ compiler")
         self.attention = attention
+        # CPU serving: linears on packed weights, streamed by the small-row kernel (app/cpu_linear.py),
+        # eager and compiled alike; before the steps are built, so their head is the packed one
+        compiling = compile != "off" and not self._why_eager()
+        self.packed_linears = pack_linears(model, compiled=compiling) if pack and self.device.type == "cpu" else 0
         # compiled steps over static token counts (app/compiled.py): ragged forwards of one device only
         self.steps = self._compiled(compile, compile_max_tokens)
-        # CPU eager serving: linears on oneDNN-prepacked weights (app/cpu_linear.py); same maths, 2-3x
-        # faster. A compiled graph packs its own (inductor cannot lower the eager packing's op).
-        self.packed_linears = pack_linears(model) if pack and self.device.type == "cpu" and not self.steps else 0
         # models whose forward takes a per-row mask of the positions to project (transformers'
         # slice_logits_to_keep) run the LM head only where a logit is needed, not over every position
         self.ragged_logits = hasattr(sys.modules.get(type(model).__module__), "slice_logits_to_keep")
@@ -160,12 +161,16 @@ class ModelRunner:
         """The attention path the memory model budgets (app/memory.py): the ragged one, or "padded"."""
         return self.attention if self.ragged else "padded"
 
+    def _why_eager(self) -> str | None:
+        """Why this runner's steps cannot be compiled, or None when they can."""
+        return ("the model's attention is not ragged (app/ragged.py)" if not self.ragged
+                else "tensor parallel forwards run eagerly" if getattr(self.model, "tp_size", None)
+                else unavailable(self.device))
+
     def _compiled(self, mode: str, max_tokens: int) -> CompiledSteps | None:
         if mode == "off":
             return None
-        why = ("the model's attention is not ragged (app/ragged.py)" if not self.ragged
-               else "tensor parallel forwards run eagerly" if getattr(self.model, "tp_size", None)
-               else unavailable(self.device))
+        why = self._why_eager()
         if why:
             log.warning("compile=%s: eager forwards: %s", mode, why)
             return None

@@ -7,7 +7,7 @@ import sys
 import pytest
 import torch
 
-from app import cpu_attention
+from app import cpu_attention, native
 from app.kv import BLOCK_SIZE
 
 pytestmark = pytest.mark.skipif(cpu_attention.kernel() is None, reason="no C++ compiler to build the kernel")
@@ -87,7 +87,7 @@ def test_far_below_the_maximum_weights_are_zero_not_nan():
 def test_loading_the_kernel_leaves_the_process_floating_point_mode_alone():
     """Built with -ffast-math, but never linked with it: denormals still exist in the process after
     the library loads (GCC's fast-math start-up code would flush them to zero everywhere)."""
-    lib = cpu_attention.build()
+    lib = native.build(cpu_attention.SOURCE, cpu_attention._FLAGS)
     code = (f"import ctypes, torch; x = torch.tensor([1e-40]); ctypes.CDLL({str(lib)!r}); "
             "print((x * 1).item() > 0, (torch.tensor([1e-39]) / 2).item() > 0)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
@@ -100,10 +100,10 @@ def test_without_a_compiler_attention_stays_per_sequence(monkeypatch, tmp_path, 
     from app.runner import ModelRunner
 
     monkeypatch.setenv("SPECSERVE_KERNEL_CACHE", str(tmp_path))
-    monkeypatch.setattr(cpu_attention.shutil, "which", lambda name: None)
+    monkeypatch.setattr(native.shutil, "which", lambda name: None)
     monkeypatch.delenv("CXX", raising=False)
-    monkeypatch.setattr(cpu_attention, "_loaded", {})
-    assert cpu_attention.build() is None
+    monkeypatch.setattr(native, "_loaded", {})
+    assert native.build(cpu_attention.SOURCE, cpu_attention._FLAGS) is None
     assert ModelRunner(target_model, tokenizer).attention == "per_sequence"
     with pytest.raises(ValueError, match="cpu_paged"):
         ModelRunner(target_model, tokenizer, attention="cpu_paged")

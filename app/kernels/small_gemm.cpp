@@ -1,0 +1,149 @@
+// A linear layer for the few rows of a decode or verify step: y = x W^T (+ bias), with W packed once
+// into column groups laid out for streaming. app/cpu_linear.py builds, loads and calls it. Why by
+// hand: docs/architecture.md ("CPU linears").
+//
+// At 1 to ~16 rows a step's linears read every weight once and do little arithmetic with it, so
+// their speed is the speed at which the weights stream from memory. The BLAS and oneDNN kernels
+// torch calls are built for many rows and reach about half of one core's bandwidth on such shapes
+// (measured on the reference target's matrices). Here each group of GROUP * LANES output columns
+// is one contiguous stream, [K][GROUP * LANES], read once per tile of ROWS rows.
+//
+// Packed layout: groups = ceil(N / GW), GW = GROUP * LANES; packed[g][k][c] = W[g * GW + c][k],
+// zero past N. Weights are float32 or bfloat16 (widened to float32 as they are read); x, y and
+// bias are float32.
+//
+// Exactness: every output is one chain of fused multiply-adds over k = 0 .. K-1 in order, the same
+// for every row count, tile and thread split, so a row's result never depends on the other rows of
+// the call (a verify's rows equal the plain steps' bit for bit). Built without -ffast-math for that.
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <thread>
+#include <vector>
+
+namespace {
+
+// ACCUMULATORS: vector registers a tile may hold sums in (of 32 with AVX-512, 16 otherwise)
+#if defined(__AVX512F__)
+constexpr int LANES = 16, GROUP = 4, ROWS = 6, ACCUMULATORS = 24;
+#elif defined(__AVX__)
+constexpr int LANES = 8, GROUP = 4, ROWS = 2, ACCUMULATORS = 8;
+#else
+constexpr int LANES = 4, GROUP = 4, ROWS = 2, ACCUMULATORS = 8;
+#endif
+constexpr int BAND = 4;  // column groups run through every row tile before the next (they stay in L2)
+constexpr int GW = GROUP * LANES;
+
+typedef float vf __attribute__((vector_size(LANES * 4)));
+typedef float vfu __attribute__((vector_size(LANES * 4), aligned(4)));
+typedef uint16_t vhu __attribute__((vector_size(LANES * 2), aligned(2)));
+typedef uint32_t vu __attribute__((vector_size(LANES * 4)));
+
+inline vf load(const float* p) { return *reinterpret_cast<const vfu*>(p); }
+inline vf load(const uint16_t* p) {  // bfloat16 -> float32: the 16 bits are the float's high half
+  vu wide = __builtin_convertvector(*reinterpret_cast<const vhu*>(p), vu) << 16;
+  return reinterpret_cast<vf&>(wide);
+}
+
+// rows x[0 .. R) against column groups g .. g + G: G contiguous streams of weights, R * G * GROUP
+// independent accumulator chains
+template <int R, int G, typename W>
+void tile(const float* x, int64_t ldx, const W* packed, float* y, int64_t n, int64_t k_dim, int64_t g) {
+  vf acc[R][G][GROUP] = {};
+  const W* w = packed + g * k_dim * GW;
+  for (int64_t k = 0; k < k_dim; ++k) {
+    float s[R];
+    for (int r = 0; r < R; ++r) s[r] = x[r * ldx + k];
+    for (int h = 0; h < G; ++h) {
+      const W* wk = w + (h * k_dim + k) * GW;
+      for (int j = 0; j < GROUP; ++j) {
+        const vf wj = load(wk + j * LANES);
+        for (int r = 0; r < R; ++r) acc[r][h][j] += s[r] * wj;  // contracted to one FMA (-ffp-contract=fast)
+      }
+    }
+  }
+  for (int h = 0; h < G; ++h) {
+    const int64_t col = (g + h) * GW, width = std::min<int64_t>(GW, n - col);
+    for (int r = 0; r < R; ++r) {
+      float row[GW];
+      std::memcpy(row, acc[r][h], sizeof(row));
+      std::memcpy(y + r * n + col, row, width * sizeof(float));
+    }
+  }
+}
+
+// rows x[0 .. R) against groups g0 .. g1, two at a time where registers allow
+template <int R, typename W>
+void rows(const float* x, int64_t k_dim, const W* packed, float* y, int64_t n, int64_t g0, int64_t g1) {
+  constexpr int G = R * GROUP * 2 <= ACCUMULATORS ? 2 : 1;
+  int64_t g = g0;
+  for (; g + G <= g1; g += G) tile<R, G>(x, k_dim, packed, y, n, k_dim, g);
+  for (; g < g1; ++g) tile<R, 1>(x, k_dim, packed, y, n, k_dim, g);
+}
+
+template <int R, typename W>
+void rows_upto(int64_t left, const float* x, int64_t k_dim, const W* packed, float* y, int64_t n, int64_t g0,
+               int64_t g1) {
+  if constexpr (R > 0) {
+    if (left == R) return rows<R>(x, k_dim, packed, y, n, g0, g1);
+    rows_upto<R - 1>(left, x, k_dim, packed, y, n, g0, g1);
+  }
+}
+
+template <typename W>
+void run(const float* x, int64_t m, int64_t k_dim, const W* packed, int64_t n, const float* bias, float* y,
+         int64_t g0, int64_t g1) {
+  // row tiles of ROWS, then one of the rows left: each row's chain is the same in every instantiation
+  for (int64_t g = g0; g < g1; g += BAND) {
+    const int64_t g_end = std::min(g1, g + BAND);  // a band of groups stays in cache across the row tiles
+    int64_t r = 0;
+    for (; r + ROWS <= m; r += ROWS) rows<ROWS>(x + r * k_dim, k_dim, packed, y + r * n, n, g, g_end);
+    rows_upto<ROWS - 1>(m - r, x + r * k_dim, k_dim, packed, y + r * n, n, g, g_end);
+  }
+  if (bias) {
+    const int64_t c0 = g0 * GW, c1 = std::min(n, g1 * GW);
+    for (int64_t i = 0; i < m; ++i)
+      for (int64_t c = c0; c < c1; ++c) y[i * n + c] += bias[c];
+  }
+}
+
+template <typename W>
+void linear(const float* x, int64_t m, int64_t k_dim, const W* packed, int64_t n, const float* bias, float* y,
+            int64_t threads) {
+  const int64_t groups = (n + GW - 1) / GW;
+  // a thread costs tens of microseconds to start: only calls that read megabytes share the work
+  const int64_t bytes = groups * GW * k_dim * int64_t(sizeof(W)) * ((m + ROWS - 1) / ROWS);
+  threads = std::max<int64_t>(1, std::min<int64_t>({threads, groups, bytes >> 22}));
+  if (threads == 1) return run(x, m, k_dim, packed, n, bias, y, 0, groups);
+  std::vector<std::thread> pool;
+  for (int64_t t = 1; t < threads; ++t)
+    pool.emplace_back(run<W>, x, m, k_dim, packed, n, bias, y, groups * t / threads, groups * (t + 1) / threads);
+  run(x, m, k_dim, packed, n, bias, y, 0, groups / threads);
+  for (auto& th : pool) th.join();
+}
+
+template <typename W>
+void pack(const W* weight, int64_t n, int64_t k_dim, W* packed) {
+  const int64_t groups = (n + GW - 1) / GW;
+  std::memset(packed, 0, groups * k_dim * GW * sizeof(W));
+  for (int64_t col = 0; col < n; ++col)
+    for (int64_t k = 0; k < k_dim; ++k) packed[((col / GW) * k_dim + k) * GW + col % GW] = weight[col * k_dim + k];
+}
+
+}  // namespace
+
+extern "C" {
+int64_t specserve_gemm_group_width() { return GW; }
+
+void specserve_gemm_pack_f32(const float* w, int64_t n, int64_t k, float* out) { pack(w, n, k, out); }
+void specserve_gemm_pack_bf16(const uint16_t* w, int64_t n, int64_t k, uint16_t* out) { pack(w, n, k, out); }
+
+void specserve_gemm_f32(const float* x, int64_t m, int64_t k, const float* packed, int64_t n, const float* bias,
+                        float* y, int64_t threads) {
+  linear(x, m, k, packed, n, bias, y, threads);
+}
+void specserve_gemm_bf16(const float* x, int64_t m, int64_t k, const uint16_t* packed, int64_t n, const float* bias,
+                         float* y, int64_t threads) {
+  linear(x, m, k, packed, n, bias, y, threads);
+}
+}

@@ -1,0 +1,113 @@
+"""The small-row CPU linear (app/cpu_linear.py, app/kernels/small_gemm.cpp): the same product as
+F.linear to rounding, bit-identical rows whatever else is in the call, and the same tokens compiled
+and eager."""
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+from app import cpu_linear, native
+from app.runner import ModelRunner, SeqInput
+
+pytestmark = pytest.mark.skipif(not cpu_linear.kernel_available(), reason="no C++ compiler to build the kernel")
+
+
+def _weights(out_features: int, in_features: int, dtype=torch.float32, seed: int = 0):
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randn(out_features, in_features, generator=gen).to(dtype), torch.randn(out_features, generator=gen)
+
+
+# shapes off the group width and the row tile: tails of columns, one row, a tile and a remainder
+@pytest.mark.parametrize("out_features, in_features, rows", [(1, 3, 1), (70, 33, 5), (200, 64, 7), (130, 17, 13)])
+def test_the_product_is_f_linear_to_rounding(out_features, in_features, rows):
+    weight, bias = _weights(out_features, in_features)
+    x = torch.randn(2, rows, in_features)
+    got = cpu_linear.linear(x, cpu_linear.pack(weight), bias, out_features)
+    assert got.shape == (2, rows, out_features) and got.dtype == torch.float32
+    torch.testing.assert_close(got, nn.functional.linear(x, weight, bias), rtol=1e-5, atol=1e-5)
+
+
+def test_bfloat16_weights_widen_exactly_and_the_result_rounds_once():
+    weight, _ = _weights(96, 40, torch.bfloat16)
+    x = torch.randn(3, 40).to(torch.bfloat16)
+    got = cpu_linear.linear(x, cpu_linear.pack(weight), None, 96)
+    assert got.dtype == torch.bfloat16
+    want = nn.functional.linear(x.float(), weight.float()).to(torch.bfloat16)  # float32 sums, one rounding
+    torch.testing.assert_close(got.float(), want.float(), rtol=1e-2, atol=1e-2)
+
+
+def test_a_row_is_bit_identical_whatever_rows_share_its_call():
+    """A verify's rows against the plain step's one row: every row tile, remainder and thread split
+    sums each output in the same order."""
+    weight, bias = _weights(300, 130)
+    packed = cpu_linear.pack(weight)
+    x = torch.randn(23, 130)
+    alone = [cpu_linear.linear(x[i : i + 1], packed, bias, 300) for i in range(23)]
+    for rows in (2, 5, 6, 7, 12, 23):
+        together = cpu_linear.linear(x[:rows], packed, bias, 300)
+        for i in range(rows):
+            assert torch.equal(together[i], alone[i][0]), (rows, i)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        wide = torch.randn(40, 576)  # a call large enough to be split between threads
+        big, big_packed = torch.randn(4096, 576), None
+        big_packed = cpu_linear.pack(big)
+        split = cpu_linear.linear(wide, big_packed, None, 4096)
+        torch.set_num_threads(1)
+        assert torch.equal(split, cpu_linear.linear(wide, big_packed, None, 4096))
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_pack_linears_swaps_every_linear_and_keeps_the_logits(target_model, tokenizer):
+    model = copy.deepcopy(target_model)
+    ids = torch.tensor([[5, 9, 30, 2, 17]])
+    with torch.inference_mode():
+        before = model(ids).logits
+        swapped = cpu_linear.pack_linears(model)
+        after = model(ids).logits
+    linears = sum(isinstance(m, nn.Linear) for m in target_model.modules())
+    assert swapped == linears and not any(type(m) is nn.Linear for m in model.modules())
+    assert all(m.kernel for m in model.modules() if isinstance(m, cpu_linear.PackedLinear))
+    torch.testing.assert_close(after, before, rtol=1e-4, atol=1e-4)
+
+
+def test_compiled_and_eager_steps_run_the_same_linears_and_give_the_same_tokens(target_model, tokenizer):
+    """The op runs inside the compiled graph (the runner packs before it compiles): the compiled and the
+    eager forward agree to rounding and pick the same tokens."""
+    runners = {mode: ModelRunner(copy.deepcopy(target_model), tokenizer, pack=True, compile=mode,
+                                 compile_max_tokens=8) for mode in ("off", "default")}
+    compiled = runners["default"]
+    if compiled.steps is None:
+        pytest.skip("compiled steps are unavailable here")
+    compiled.warm(lambda message: None)
+    assert compiled.steps is not None, "the compiled path disagreed with the eager one at warm-up"
+    assert compiled.packed_linears == runners["off"].packed_linears > 0
+    assert isinstance(compiled.steps.head, cpu_linear.PackedLinear)
+    context = [5, 9, 30, 2, 17, 40, 41]
+    outs = {}
+    for mode, runner in runners.items():
+        tokens, ctx = [], list(context)
+        for _ in range(6):
+            logits = runner.forward([SeqInput("s", ctx, 1)])[0][-1]
+            tokens.append(int(logits.argmax()))
+            ctx.append(tokens[-1])
+        outs[mode] = tokens
+    assert outs["default"] == outs["off"]
+
+
+def test_without_a_compiler_eager_linears_take_onednn_and_compiled_ones_stay(monkeypatch, tmp_path, target_model):
+    monkeypatch.setenv("SPECSERVE_KERNEL_CACHE", str(tmp_path))
+    monkeypatch.setattr(native.shutil, "which", lambda name: None)
+    monkeypatch.delenv("CXX", raising=False)
+    monkeypatch.setattr(native, "_loaded", {})
+    assert not cpu_linear.kernel_available()
+    if not cpu_linear.onednn_available():
+        pytest.skip("this torch has no oneDNN")
+    assert cpu_linear.pack_linears(copy.deepcopy(target_model), compiled=True) == 0
+    model = copy.deepcopy(target_model)
+    assert cpu_linear.pack_linears(model) > 0
+    assert all(not m.kernel for m in model.modules() if isinstance(m, cpu_linear.PackedLinear))
