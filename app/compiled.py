@@ -1,9 +1,10 @@
 """Compiled steps: a model's forward as torch.compile graphs over a few static token counts.
 
 A ragged forward (app/ragged.py) of T tokens runs the graph of the smallest bucket >= T, its row
-padded with token 0 at position 0: the padded rows cost compute, never correctness, since attention
-(one opaque op per layer) writes and reads only the layout's own tokens and the logits are taken
-at the kept rows. Buckets are powers of two up to `max_tokens`, every one compiled at warm-up, so no
+padded with token 0 at position 0: the padded rows never change a result, since attention (one
+opaque op per layer) writes and reads only the layout's own tokens and the logits are taken at the
+kept rows. On a CPU they cost little either: the packed linears (app/cpu_linear.py) compute the real
+rows alone and leave the padding zero. Buckets are powers of two up to `max_tokens`, every one compiled at warm-up, so no
 request ever waits for a compile; a larger forward (a long prompt's chunk) runs eagerly, where the
 per-op cost the compiler removes is small against its size.
 
@@ -28,6 +29,7 @@ import shutil
 
 import torch
 
+from app.cpu_linear import real_rows
 from app.ragged import LAYOUT
 
 log = logging.getLogger(__name__)
@@ -97,5 +99,6 @@ class CompiledSteps:
         if pad:
             input_ids = torch.nn.functional.pad(input_ids, (0, pad))
             position_ids = torch.nn.functional.pad(position_ids, (0, pad))
-        hidden = self.graph(input_ids, position_ids)
+        with real_rows(input_ids.shape[1] - pad):  # the linears skip the padding (app/cpu_linear.py)
+            hidden = self.graph(input_ids, position_ids)
         return self.head(hidden[0].index_select(0, keep))

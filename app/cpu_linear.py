@@ -19,6 +19,8 @@ inductor's matmuls, which cannot lower the oneDNN op.
 """
 
 import ctypes
+import threading
+from contextlib import contextmanager
 
 import torch
 from torch import nn
@@ -84,15 +86,33 @@ def _linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, ou
     computes in float32 (bfloat16 inputs and weights widen exactly) and the result is rounded once."""
     wide = x.dtype == torch.float32  # the common case, with no conversion: a step makes 211 of these calls
     rows = x if wide and x.is_contiguous() else x.to(torch.float32).contiguous()
-    y = torch.empty(*x.shape[:-1], out_features, dtype=torch.float32)
+    count = rows.numel() // rows.shape[-1]
+    real = min(count, getattr(_local, "rows", None) or count)
+    # a compiled step's padding rows (past `real`) come out zero, uncomputed
+    y = (torch.empty if real == count else torch.zeros)(*x.shape[:-1], out_features, dtype=torch.float32)
     b = None if bias is None else bias.to(torch.float32).contiguous()
     fn = _FUNCTIONS[packed.dtype]
-    fn(rows.data_ptr(), rows.numel() // rows.shape[-1], rows.shape[-1], packed.data_ptr(), out_features,
+    fn(rows.data_ptr(), real, rows.shape[-1], packed.data_ptr(), out_features,
        None if b is None else b.data_ptr(), y.data_ptr(), torch.get_num_threads())
     return y if wide else y.to(x.dtype)
 
 
 _LIBRARY.impl("linear", _linear, "CPU")
+
+_local = threading.local()  # the real row count of the compiled step this thread runs
+
+
+@contextmanager
+def real_rows(count: int):
+    """Within: the linears compute the first `count` rows of their input alone. A compiled step pads its
+    row to a bucket (app/compiled.py: 80 verify rows run in the 128-row graph); at a few rows a linear
+    streams its weights, but at tens of rows it is bound by arithmetic, which padding would waste."""
+    before = getattr(_local, "rows", None)
+    _local.rows = count
+    try:
+        yield
+    finally:
+        _local.rows = before
 
 
 @torch.library.register_fake("specserve::linear")

@@ -91,12 +91,23 @@ def test_compiled_and_eager_steps_run_the_same_linears_and_give_the_same_tokens(
     outs = {}
     for mode, runner in runners.items():
         tokens, ctx = [], list(context)
-        for _ in range(6):
-            logits = runner.forward([SeqInput("s", ctx, 1)])[0][-1]
-            tokens.append(int(logits.argmax()))
+        for step in range(6):
+            rows = 1 + step % 3  # 2 and 3 rows run in the 2- and 4-row graphs: padded, the padding skipped
+            logits = runner.forward([SeqInput("s", ctx, rows)])[0]
+            tokens += logits.argmax(-1).tolist()
             ctx.append(tokens[-1])
         outs[mode] = tokens
     assert outs["default"] == outs["off"]
+
+
+def test_within_real_rows_the_padding_is_left_zero_and_the_rows_unchanged():
+    weight, bias = _weights(100, 48)
+    packed, x = cpu_linear.pack(weight), torch.randn(1, 8, 48)
+    full = cpu_linear.linear(x, packed, bias, 100)
+    with cpu_linear.real_rows(5):
+        padded = cpu_linear.linear(x, packed, bias, 100)
+    assert torch.equal(padded[0, :5], full[0, :5]) and not padded[0, 5:].any()
+    assert torch.equal(cpu_linear.linear(x, packed, bias, 100), full)  # the limit ends with its block
 
 
 def test_without_a_compiler_eager_linears_take_onednn_and_compiled_ones_stay(monkeypatch, tmp_path, target_model):

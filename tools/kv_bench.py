@@ -105,7 +105,7 @@ def steps(model_dir: str, compile: str, sequences: int, keys: int, repeats: int)
     out = {}
     paths = ["per_sequence"] + (["cpu_paged"] if cpu_attention.usable(torch.float32, torch.device("cpu")) else [])
     for path in paths:
-        runner = ModelRunner(model, tokenizer, attention=path, compile=compile)
+        runner = ModelRunner(model, tokenizer, attention=path, compile=compile, pack=True)  # as served
         runner.warm(lambda message: None)
         gen = torch.Generator().manual_seed(0)
         contexts = [torch.randint(3, runner.vocab_size, (keys + 7 * i,), generator=gen).tolist()
