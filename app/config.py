@@ -40,6 +40,11 @@ class ModelSettings(BaseModel):
         "sizes attention's buffers for it, and a replica whose KV cache cannot hold one sequence of it refuses "
         "to start, naming the settings to change (vLLM's max_model_len). None: the model's positions, lowered "
         "to what the KV cache holds.")
+    packed_weights: Literal["model", "bfloat16"] = Field(
+        "model", description="CPU: the dtype of the packed linears' weights (app/cpu_linear.py). bfloat16 halves "
+        "the bytes a step streams while activations stay in the model's dtype; the weights are rounded once. "
+        "For a draft it changes only its proposals, never the output (the target verifies every token); "
+        "for a target it changes the model.")
     torch_threads: int | None = Field(
         None, ge=1, description="torch CPU threads of each replica (and rank worker); None = Ray's default, one "
         "per whole reserved CPU. Raise it on CPU nodes with cores to spare (on a 2-core node that also runs Ray's "

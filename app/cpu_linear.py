@@ -126,11 +126,13 @@ linear = torch.ops.specserve.linear.default
 class PackedLinear(nn.Module):
     """y = x W^T + b on packed weights: the small-row kernel's, or oneDNN's where it is missing."""
 
-    def __init__(self, layer: nn.Linear, kernel: bool):
+    def __init__(self, layer: nn.Linear, kernel: bool, dtype: torch.dtype | None = None):
         super().__init__()
         self.in_features, self.out_features = layer.in_features, layer.out_features
         self.kernel = kernel
         weight = layer.weight.detach()
+        if kernel and dtype is not None:  # the kernel reads bfloat16 weights against float32 rows
+            weight = weight.to(dtype)
         # oneDNN's batch-size hint only picks the blocked layout; any row count runs on it, but the layout
         # oneDNN picks for 1 row is slow for every row count (demo target, 1 core: 1 row 5.6 ms vs 4.3,
         # 5 rows 8.9 vs 4.7); from 4 up the hints measure alike
@@ -149,12 +151,13 @@ class PackedLinear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, {kind}"
 
 
-def pack_linears(model: nn.Module, compiled: bool = False) -> int:
+def pack_linears(model: nn.Module, compiled: bool = False, dtype: torch.dtype | None = None) -> int:
     """Replace every CPU float32/bfloat16 nn.Linear of `model` by a PackedLinear; returns how many.
 
     Inference only (the packed weights take no gradients). Leaves the model alone where no packed
     kernel fits: the weights live on another device, or (`compiled`: the forward is a compiled graph)
-    only oneDNN's op is at hand, which inductor cannot lower.
+    only oneDNN's op is at hand, which inductor cannot lower. `dtype` (bfloat16): the small-row
+    kernel's weights in it, rounded once, half the bytes a step streams (`packed_weights`).
     """
     kernel = kernel_available()
     if not kernel and (compiled or not onednn_available()):
@@ -163,6 +166,6 @@ def pack_linears(model: nn.Module, compiled: bool = False) -> int:
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
             if type(child) is nn.Linear and child.weight.device.type == "cpu" and child.weight.dtype in _PACKABLE:
-                setattr(parent, name, PackedLinear(child, kernel))
+                setattr(parent, name, PackedLinear(child, kernel, dtype))
                 count += 1
     return count

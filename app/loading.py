@@ -63,8 +63,10 @@ def _runner(path: str, settings: ModelSettings, tp_size: int) -> ModelRunner:
     set_torch_threads(settings)
     model, tokenizer = load_model(path, dtype=settings.dtype, device=resolve_device(settings.device),
                                   trust_remote_code=settings.trust_remote_code, tp_size=tp_size)
+    packed = {"model": None, "bfloat16": torch.bfloat16}[settings.packed_weights]
     return ModelRunner(model, tokenizer, pack=tp_size == 1, compile=settings.compile,
-                       compile_max_tokens=settings.compile_max_tokens, attention=settings.attention)
+                       compile_max_tokens=settings.compile_max_tokens, attention=settings.attention,
+                       packed_dtype=packed)
 
 
 def _limit_context(runner: ModelRunner, settings: ModelSettings) -> None:

@@ -87,7 +87,7 @@ class ModelRunner:
 
     def __init__(self, model: PreTrainedModel, tokenizer, *, max_cache_bytes: int = 1 << 30, pack: bool = False,
                  max_forward_tokens: int = 2048, compile: str = "off", compile_max_tokens: int = 128,
-                 attention: str = "auto"):
+                 attention: str = "auto", packed_dtype: torch.dtype | None = None):
         self.model = model
         # positions one forward computes at most (what the memory model sized working buffers for): a
         # context with more uncached positions is prefilled in chunks first (prefill())
@@ -122,7 +122,8 @@ class ModelRunner:
         # CPU serving: linears on packed weights, streamed by the small-row kernel (app/cpu_linear.py),
         # eager and compiled alike; before the steps are built, so their head is the packed one
         compiling = compile != "off" and not self._why_eager()
-        self.packed_linears = pack_linears(model, compiled=compiling) if pack and self.device.type == "cpu" else 0
+        self.packed_linears = (pack_linears(model, compiled=compiling, dtype=packed_dtype)
+                               if pack and self.device.type == "cpu" else 0)
         # compiled steps over static token counts (app/compiled.py): ragged forwards of one device only
         self.steps = self._compiled(compile, compile_max_tokens)
         # models whose forward takes a per-row mask of the positions to project (transformers'

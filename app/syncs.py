@@ -48,8 +48,10 @@ class SyncCounter(TorchFunctionMode):
         return sum(self.uploads.values())
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
-        name = getattr(func, "__name__", "")
         kwargs = kwargs or {}
+        if torch.compiler.is_compiling():  # dynamo traces through the mode: a graph has no host reads to count
+            return func(*args, **kwargs)
+        name = getattr(func, "__name__", "")
         if name in READS or (name == "to" and args and isinstance(args[0], torch.Tensor)
                              and args[0].device.type != "cpu" and _to_cpu(args[1:], kwargs)):
             with self._lock:

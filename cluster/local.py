@@ -146,6 +146,27 @@ def load_config(path: str | Path | None = CONFIG, args: dict | None = None, depl
     return config
 
 
+POOLS = ("TargetServer", "DraftServer")
+
+
+def fit_to_cores(config: dict, cores: int | None = None) -> list[str]:
+    """Cap each pool's replicas at what this one machine's cores run side by side: half of them each
+    (at least 1). The local cluster's nodes are all this machine: on 2 cores a second target replica
+    takes the draft's core and both replicas' steps slow down (seen in a benchmark window: the
+    autoscaler added one at 16 streams). Returns what it changed, as lines to print."""
+    cores = cores or os.cpu_count() or 1
+    cap, changed = max(1, cores // 2), []
+    for d in config["applications"][0].get("deployments", []):
+        scaling = d.get("autoscaling_config")
+        if d["name"] in POOLS and scaling and scaling.get("max_replicas", 1) > cap:
+            scaling["max_replicas"] = cap
+            for key in ("min_replicas", "initial_replicas"):
+                if key in scaling:
+                    scaling[key] = min(scaling[key], cap)
+            changed.append(f"{d['name']}: at most {cap} replica{'s' if cap > 1 else ''} on this machine's {cores} cores")
+    return changed
+
+
 def _merge(base: dict, extra: dict) -> dict:
     out = copy.deepcopy(base)
     for k, v in extra.items():
@@ -165,9 +186,13 @@ def deploy(config: dict, timeout_s: float = 600) -> None:
     client.deploy_apps(schema, _blocking=False)
     name = config["applications"][0]["name"]
     deadline = time.monotonic() + timeout_s
+    wanted = {d["name"] for d in config["applications"][0].get("deployments", [])}
     while time.monotonic() < deadline:
         app = serve.status().applications.get(name)
-        if app is not None and app.status == "RUNNING":
+        # RUNNING, and every deployment of the config has a running replica: the status alone read
+        # RUNNING once before the replicas existed (a benchmark's first request then waited 43 s)
+        if app is not None and app.status == "RUNNING" and all(
+                d in app.deployments and app.deployments[d].replica_states.get("RUNNING", 0) > 0 for d in wanted):
             return
         if app is not None and app.status in ("DEPLOY_FAILED", "UNHEALTHY"):
             raise RuntimeError(f"application {name} failed: {app.message}")

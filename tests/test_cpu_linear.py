@@ -122,3 +122,23 @@ def test_without_a_compiler_eager_linears_take_onednn_and_compiled_ones_stay(mon
     model = copy.deepcopy(target_model)
     assert cpu_linear.pack_linears(model) > 0
     assert all(not m.kernel for m in model.modules() if isinstance(m, cpu_linear.PackedLinear))
+
+
+def test_a_draft_on_bfloat16_packed_weights_proposes_and_the_output_stays_the_targets(target_model, tokenizer):
+    """packed_weights: bfloat16 halves what a draft step streams; the target still decides every token."""
+    from app.engine import Engine
+    from app.params import SamplingParams
+
+    draft = ModelRunner(copy.deepcopy(target_model), tokenizer, pack=True, packed_dtype=torch.bfloat16)
+    packed = [m for m in draft.model.modules() if isinstance(m, cpu_linear.PackedLinear)]
+    assert packed and all(m.packed.dtype == torch.bfloat16 for m in packed)
+    engine = Engine(ModelRunner(target_model, tokenizer), draft)
+    params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, speculation={"num_tokens": 4})
+    result = engine.generate(["def fib(n):"], params)[0]
+    ids = result.prompt_token_ids
+    with torch.inference_mode():
+        want = target_model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                                     do_sample=False, max_new_tokens=20, min_new_tokens=20, eos_token_id=None,
+                                     pad_token_id=0)[0, len(ids):].tolist()
+    assert result.token_ids == want
+    assert result.speculation["drafted_tokens"] > 0 and result.speculation["accepted_tokens"] > 0

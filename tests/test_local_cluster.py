@@ -55,3 +55,19 @@ def test_other_start_errors_and_the_last_timeout_are_raised(flaky):
     with pytest.raises(Exception, match=local.STARTUP_TIMEOUT):
         start(local.LocalCluster(), flaky)
     assert len(flaky.made) == 1 + local.STARTUP_ATTEMPTS
+
+
+def test_serve_on_a_small_machine_caps_each_pool_at_half_its_cores():
+    from cluster.local import fit_to_cores, load_config
+
+    config = load_config()
+    pools = {d["name"]: d["autoscaling_config"] for d in config["applications"][0]["deployments"]
+             if d["name"] in ("TargetServer", "DraftServer")}
+    assert pools["TargetServer"]["max_replicas"] == 2 and pools["DraftServer"]["max_replicas"] == 4
+    changed = fit_to_cores(config, cores=2)
+    assert pools["TargetServer"]["max_replicas"] == pools["DraftServer"]["max_replicas"] == 1
+    assert all(s["min_replicas"] <= s["max_replicas"] and s["initial_replicas"] <= 1 for s in pools.values())
+    assert len(changed) == 2 and "2 cores" in changed[0]
+    roomy = load_config()
+    assert fit_to_cores(roomy, cores=16) == []
+    assert roomy == load_config()

@@ -42,7 +42,7 @@ def cmd_demo_models(args) -> int:
 
 def cmd_serve(args) -> int:
     """Start a local multi-node Ray cluster and the app; stop both on Ctrl-C or SIGTERM (exit 0)."""
-    from cluster.local import LocalCluster, deploy, load_config, stop_on_signals
+    from cluster.local import LocalCluster, deploy, fit_to_cores, load_config, stop_on_signals
 
     overrides: dict = {"pair": _pair_name(args)}
     if args.target:
@@ -54,6 +54,8 @@ def cmd_serve(args) -> int:
 
         pair(_pair_name(args))  # build with its progress lines here, before the replicas need it
     config = load_config(args.config, args=overrides, port=args.port, host=args.host)
+    for line in fit_to_cores(config):
+        print(line, flush=True)
     print("starting a local Ray cluster (a target-pool node and a draft-pool node)...", flush=True)
     stop = stop_on_signals()  # a signal while the cluster starts: it stops as soon as it is up
     with LocalCluster():
