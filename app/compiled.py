@@ -3,10 +3,10 @@
 A ragged forward (app/ragged.py) of T tokens runs the graph of the smallest bucket >= T, its row
 padded with token 0 at position 0: the padded rows never change a result, since attention (one
 opaque op per layer) writes and reads only the layout's own tokens and the logits are taken at the
-kept rows. On a CPU they cost little either: the packed linears (app/cpu_linear.py) compute the real
-rows alone and leave the padding zero. Buckets are powers of two up to `max_tokens`, every one compiled at warm-up, so no
-request ever waits for a compile; a larger forward (a long prompt's chunk) runs eagerly, where the
-per-op cost the compiler removes is small against its size.
+kept rows. On a CPU they cost little either: the packed linears (app/cpu_linear.py) compute the
+real rows alone and leave the padding zero. Buckets are powers of two up to `max_tokens`, every one
+compiled at warm-up, so no request ever waits for a compile; a larger forward (a long prompt's
+chunk) runs eagerly, where the per-op cost the compiler removes is small against its size.
 
 The graph is the decoder (embeddings, layers, final norm); the LM head runs after it on the kept rows
 alone, so a prompt chunk never computes a vocabulary-wide row it does not need. A model whose

@@ -66,6 +66,7 @@ def onednn_available() -> bool:
 
 def pack(weight: torch.Tensor) -> torch.Tensor:
     """`weight` ([out, in], float32 or bfloat16) in the kernel's layout: [groups, in, group width]."""
+    kernel_available()  # loads the kernel and names its functions, which `linear` then calls
     lib = _kernel()
     weight = weight.detach().contiguous()
     width = lib.specserve_gemm_group_width()

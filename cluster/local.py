@@ -163,7 +163,8 @@ def fit_to_cores(config: dict, cores: int | None = None) -> list[str]:
             for key in ("min_replicas", "initial_replicas"):
                 if key in scaling:
                     scaling[key] = min(scaling[key], cap)
-            changed.append(f"{d['name']}: at most {cap} replica{'s' if cap > 1 else ''} on this machine's {cores} cores")
+            replicas = f"{cap} replica{'s' if cap > 1 else ''}"
+            changed.append(f"{d['name']}: at most {replicas} on this machine's {cores} cores")
     return changed
 
 
