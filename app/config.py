@@ -70,4 +70,5 @@ class SpeculationSettings(BaseModel):
         "plain steps where it does not. For a draft that shares the target's cores. Greedy and unseeded "
         "requests only; exact either way.")
     verify_saturation_tokens: int = Field(
-        64, gt=0, description="Tokens per target batch beyond which verifying more costs time (load-aware K).")
+        64, gt=0, description="Load-aware K's prior: tokens per target forward beyond which verifying more costs "
+        "time. A replica measures its forwards' time by token count and uses the prior only where it has not.")

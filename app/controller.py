@@ -3,14 +3,15 @@
 Terms (Leviathan et al., 2023):
     alpha        per-token probability that the target accepts a draft token
     c            cost ratio: one draft step / one target step (network hop included)
-    verify_cost  v: extra target cost, relative to one step, of verifying one more token
-                 per sequence; 0 while verifying K+1 tokens is as cheap as one step,
-                 grows when the target is busy and batches stop being free
+    verify_cost  V(K): extra target cost, relative to one step, of verifying K more tokens
+                 per sequence; 0 while verifying K+1 tokens is as cheap as one step, grows
+                 when batches stop being free (a busy target; on a CPU, a few rows). Measured
+                 per K (VerifyCurve), or a slope v: V(K) = K·v
     overhead     w: the part of waiting for a proposal that does not grow with K (the call's hop,
                  its wait in the draft's queue), relative to one target round
 
 A round drafts K tokens and emits 1 + (accepted) tokens, so its expected length is
-sum_{i=0..K} alpha^i, and its cost, in target steps, is K*c + 1 + K*v, plus w when K > 0.
+sum_{i=0..K} alpha^i, and its cost, in target steps, is K*c + 1 + V(K), plus w when K > 0.
 Counting w per step instead (c as wait / K) would make a slow hop look like an expensive draft
 step, and the smaller K became the more expensive each step would look: K would spiral to 0
 exactly where a longer K amortises the hop.
@@ -22,10 +23,22 @@ steps) when speculation does not pay and probing now and then to notice when it 
 
 from __future__ import annotations
 
+import bisect
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+
+# what verifying K more tokens per sequence costs, in target steps: a slope v (K·v) or, measured,
+# one figure per K (index K; app.controller.VerifyCurve.extra)
+VerifyCost = float | Sequence[float]
+
+
+def verify_extra(verify_cost: VerifyCost, k: int) -> float:
+    """The extra target cost, in steps, of a round that verifies K draft tokens per sequence."""
+    if isinstance(verify_cost, Sequence):
+        return verify_cost[min(k, len(verify_cost) - 1)] if verify_cost else 0.0
+    return k * verify_cost
 
 
 def expected_accepted_length(alpha: float, k: int) -> float:
@@ -35,16 +48,17 @@ def expected_accepted_length(alpha: float, k: int) -> float:
     return math.fsum(alpha**i for i in range(k + 1))
 
 
-def expected_speedup(alpha: float, k: int, c: float, verify_cost: float = 0.0, overhead: float = 0.0) -> float:
-    """Expected speed-up over plain decoding: (1 - α^(K+1)) / ((1 - α)(K·c + 1 + K·v + w))."""
+def expected_speedup(alpha: float, k: int, c: float, verify_cost: VerifyCost = 0.0, overhead: float = 0.0) -> float:
+    """Expected speed-up over plain decoding: (1 - α^(K+1)) / ((1 - α)(K·c + 1 + V(K) + w)), V(K) = K·v
+    for a slope v."""
     if k == 0:
         return 1.0  # a plain target step: one token per step
-    round_cost = k * c + 1.0 + k * verify_cost + overhead  # in target steps
+    round_cost = k * c + 1.0 + verify_extra(verify_cost, k) + overhead  # in target steps
     return expected_accepted_length(alpha, k) / round_cost
 
 
 def optimal_k(
-    alpha: float, c: float, k_max: int, verify_cost: float = 0.0, margin: float = 0.0, overhead: float = 0.0
+    alpha: float, c: float, k_max: int, verify_cost: VerifyCost = 0.0, margin: float = 0.0, overhead: float = 0.0
 ) -> int:
     """The K in [0, k_max] maximising the expected speed-up; 0 unless some K beats 1 + margin."""
     speedups = [expected_speedup(alpha, k, c, verify_cost, overhead) for k in range(1, k_max + 1)]
@@ -142,6 +156,79 @@ class GoodputGate:
             self._since_explore = 0
             return not best
         return best
+
+
+class VerifyCurve:
+    """The target's forward time as a function of the tokens it computes, measured live.
+
+    With B sequences in a forward, a round of K draft tokens each computes B·(K+1) tokens, so it costs
+    V(K) = T(B·(K+1)) / T(B) - 1 steps more than a plain step. A GPU's T stays flat for hundreds of
+    tokens; one CPU core's only while the weights' bytes, not the multiplies, bound the forward (the
+    reference target on one core: flat to 5 rows, 1.45 steps at 9, 1.7 at 12). A token count never
+    measured is read off its measured neighbours: between two, linearly; past the last, scaled by the
+    roofline prior (flat to `saturation` tokens, then linear in them), which also stands in for T
+    before any forward. Each round measures the K it chose, so a K that costs more than the prior
+    said is seen the first time it runs.
+    """
+
+    def __init__(self, saturation: int, weight: float = 0.2):
+        self.saturation = saturation
+        self.weight = weight  # EMA weight of a forward's time at its token count
+        self._keys: list[int] = []  # measured token counts, sorted
+        self._seconds: dict[int, float] = {}
+
+    @staticmethod
+    def _key(tokens: int) -> int:
+        """Exact to 64 tokens, then 16 points per doubling: forwards of 1000 and 1010 tokens cost alike."""
+        if tokens <= 64:
+            return tokens
+        step = 1 << (tokens.bit_length() - 5)
+        return tokens // step * step
+
+    def _prior(self, tokens: float) -> float:
+        return max(1.0, tokens / self.saturation)
+
+    def observe(self, tokens: int, seconds: float) -> None:
+        """Record one forward: the positions it computed and how long it took."""
+        if tokens <= 0 or seconds <= 0:
+            return
+        key = self._key(tokens)
+        if key not in self._seconds:
+            bisect.insort(self._keys, key)
+        self._seconds[key] = _ema(self._seconds.get(key), seconds, self.weight)
+
+    def seconds(self, tokens: float) -> float | None:
+        """T(tokens): measured, interpolated, or extrapolated by the prior; None before any forward."""
+        keys = self._keys
+        if not keys:
+            return None
+        if tokens > 64:
+            tokens = self._key(int(tokens))
+        i = bisect.bisect_left(keys, tokens)
+        if i < len(keys) and keys[i] == tokens:
+            return self._seconds[keys[i]]
+        if i == len(keys):  # past the largest measured count
+            last = keys[-1]
+            return self._seconds[last] * self._prior(tokens) / self._prior(last)
+        if i == 0:  # below the smallest
+            first = keys[0]
+            return self._seconds[first] * self._prior(tokens) / self._prior(first)
+        lo, hi = keys[i - 1], keys[i]
+        share = (tokens - lo) / (hi - lo)
+        return (1 - share) * self._seconds[lo] + share * self._seconds[hi]
+
+    def points(self) -> dict[int, float]:
+        """The measured forward seconds by token count (replica stats)."""
+        return {key: self._seconds[key] for key in self._keys}
+
+    def extra(self, batch: float, k_max: int) -> list[float]:
+        """V(K) for K = 0..k_max at B = `batch` sequences per forward: the controller's verify cost."""
+        batch = max(batch, 1.0)
+        base = self.seconds(batch)
+        if base is None:
+            base_prior = self._prior(batch)
+            return [self._prior(batch * (k + 1)) / base_prior - 1.0 for k in range(k_max + 1)]
+        return [max(0.0, self.seconds(batch * (k + 1)) / base - 1.0) for k in range(k_max + 1)]
 
 
 class CostEstimator:
@@ -289,7 +376,7 @@ class KController:
         self._successes = d * self._successes + accepted
         self._failures = d * self._failures + (1.0 if accepted < k else 0.0)
 
-    def choose(self, c: float, verify_cost: float = 0.0, overhead: float = 0.0) -> int:
+    def choose(self, c: float, verify_cost: VerifyCost = 0.0, overhead: float = 0.0) -> int:
         """K for the next round: the speed-up maximiser, 0 when none pays, now and then a probe."""
         if self.pinned_k is not None:
             return self.pinned_k
@@ -298,7 +385,8 @@ class KController:
         if k > 0 or cfg.k_max == 0:
             self._zero_rounds = 0
             return k
-        if verify_cost > 0 and optimal_k(self.alpha, c, cfg.k_max, 0.0, cfg.margin, overhead) > 0:
+        busy = verify_extra(verify_cost, cfg.probe_k) > cfg.margin  # a probe's rows would cost the target
+        if busy and optimal_k(self.alpha, c, cfg.k_max, 0.0, cfg.margin, overhead) > 0:
             # the busy target, not the draft, makes speculation not pay: acceptance is not in doubt
             # and the load is measured live (K returns the round it drops), so a probe would only
             # add rows and a draft call to forwards that are already the bottleneck

@@ -106,12 +106,17 @@ class Rounds:
             self._ask_ahead(list(state.token_ids), k + 1)
             self.ahead.prompt = True
 
+    @property
+    def gateable(self) -> bool:
+        """Whether the engine's measured gate decides this sequence's mode (controller.GoodputGate): only
+        where output does not depend on K (greedy or unseeded, K not pinned, a draft to ask)."""
+        params = self.state.params
+        return (self.costs.gate is not None and self.propose is not None
+                and (params.greedy or params.seed is None) and params.speculation.pinned_k() is None)
+
     def _gated(self) -> bool:
-        """Whether the engine's measured gate holds this sequence to plain steps now (controller.GoodputGate):
-        only where output does not depend on K (greedy or unseeded, K not pinned)."""
-        params, gate = self.state.params, self.costs.gate
-        flexible = (params.greedy or params.seed is None) and params.speculation.pinned_k() is None
-        return gate is not None and flexible and not gate.allows()
+        """Whether the gate holds this sequence to plain steps now."""
+        return self.gateable and not self.costs.gate.allows()
 
     async def next(self) -> tuple[Verdict, RoundFacts]:
         """One round: choose K, get a proposal (drafted ahead, or now, or none), verify, learn."""
@@ -374,7 +379,7 @@ async def run_rounds(
                 verdict, facts = await rounds.next()
                 telemetry.set_attributes(span, telemetry.round_attributes(facts))
             observer.round(facts)
-            if costs.gate is not None:
+            if rounds.gateable:  # a sequence whose mode is not the gate's would measure neither mode
                 costs.gate.emitted(len(verdict.tokens), load())
             state.stats.record(verdict.drafted, verdict.accepted, len(verdict.tokens), facts.fallback is not None,
                                facts.batch_size, facts.ahead_hit, facts.prompt)

@@ -97,7 +97,7 @@ class ForwardQueue(Generic[Item, Result]):
     """Serialises a model's forwards and fuses what waits; frees released sequences' caches safely.
 
     forward(items) -> one result per item (each result has a `stats` dict, filled here with the batch
-    size, the forward's seconds and `extra_stats`). release(seq_id) frees a sequence's cache; a
+    size, the forward's seconds and `extra_stats`). on_batch(items, tokens, seconds) after each forward. release(seq_id) frees a sequence's cache; a
     sequence released while a forward computing it runs has its cache freed again after it, since
     that forward stores it.
 
@@ -111,7 +111,7 @@ class ForwardQueue(Generic[Item, Result]):
 
     def __init__(self, forward: ForwardFn, release: Callable[[str], Awaitable[None] | None], *, name: str,
                  max_items: int | None = None, extra_stats: dict | None = None,
-                 on_batch: Callable[[int], None] = lambda size: None,
+                 on_batch: Callable[[int, int, float], None] = lambda size, tokens, seconds: None,
                  max_tokens: int | None = None, cost: Callable[[Item], int] = lambda item: 1,
                  forget: Callable[[str], Awaitable[None] | None] | None = None):
         self.forward, self._release, self.name = forward, release, name
@@ -167,13 +167,14 @@ class ForwardQueue(Generic[Item, Result]):
             for seq_id in {it.seq_id for it in items} & self._released.keys():
                 await self._drop(seq_id)
         stats["forward_s"] = time.perf_counter() - t0
-        self.load.forward(stats["forward_s"], len(items), sum(self._cost(it) for it in items))
+        tokens = sum(self._cost(it) for it in items)
+        self.load.forward(stats["forward_s"], len(items), tokens)
         for r in results:
             if not isinstance(r, BaseException):
                 r.stats.update(stats)
         self.served += len(items)
         self.batch_sizes.append(len(items))
-        self.on_batch(len(items))
+        self.on_batch(len(items), tokens, stats["forward_s"])
         return results
 
     async def _isolate(self, items: list, error: Exception) -> list:

@@ -221,7 +221,7 @@ GPU_ARGS = {
                "memory_utilization": 0.9, "rank_resources": {"GPU": 1, "CPU": 4}, "replica_cpus": 1,
                "max_cache_bytes": None, "max_model_len": 131072},
     "draft": {"model": "meta-llama/Llama-3.2-1B-Instruct", "dtype": "bfloat16", "memory_utilization": 0.9,
-              "max_cache_bytes": None, "max_model_len": 131072},
+              "max_cache_bytes": None, "max_model_len": 131072, "packed_weights": "model"},  # packing: CPU only
 }
 GPU_DEPLOYMENTS = {
     "DraftServer": {"autoscaling_config": {"max_replicas": 8},

@@ -15,6 +15,7 @@ import ray
 from ray import serve
 
 from app import telemetry
+from app.controller import VerifyCurve
 from app.driver import DraftPolicy
 from app.engine import Engine
 from app.scheduler import ForwardQueue, in_thread
@@ -70,7 +71,7 @@ class _Server:
         telemetry.configure_tracing(type(self).__name__)
 
     def _queue(self, forward, release, batch: BatchConfig, name: str, forget, **budget) -> ForwardQueue:
-        def on_batch(size: int) -> None:
+        def on_batch(size: int, tokens: int, seconds: float) -> None:
             self.metrics.batch(size, self.cache)
         return ForwardQueue(forward, release, name=name, max_items=batch.max_batch_size,
                             extra_stats={"replica": self.replica_id}, on_batch=on_batch, forget=forget, **budget)
@@ -168,6 +169,7 @@ class TargetServer(_Server):
         self.max_batch_tokens = batch.max_batch_tokens
         self.speculation = speculation
         self.batch_ema = 1.0  # verify batch size, smoothed: the load that load-aware K weighs
+        self.verify_curve = VerifyCurve(speculation.verify_saturation_tokens)  # forward time by tokens
         self.queue.on_batch = self._on_batch
         policy = DraftPolicy.of(speculation)
         if draft is not None:
@@ -190,14 +192,14 @@ class TargetServer(_Server):
         except Exception:  # the draft pool is not up yet: the first proposals pay, or fail open
             pass
 
-    def _on_batch(self, size: int) -> None:
+    def _on_batch(self, size: int, tokens: int, seconds: float) -> None:
         self.batch_ema = 0.8 * self.batch_ema + 0.2 * size
+        self.verify_curve.observe(tokens, seconds)
         self.metrics.batch(size, self.cache)
 
-    def _verify_cost(self) -> float:
-        # roofline: a target step costs the same until its batch holds `saturation` tokens, then grows
-        # linearly; one more draft token per sequence adds B tokens, i.e. B / saturation of a step
-        return self.batch_ema / self.speculation.verify_saturation_tokens
+    def _verify_cost(self) -> list[float]:
+        # what K more draft tokens per sequence cost this replica's forwards at its batch, measured
+        return self.verify_curve.extra(self.batch_ema, self.speculation.k_max)
 
     async def generate(self, job: GenerationJob) -> AsyncIterator[Chunk]:
         """Run (or resume) one request: its rounds' chunks, then the summary (app.engine.Engine.run_job)."""
@@ -234,6 +236,7 @@ class TargetServer(_Server):
         if self.ranks:
             await self.ranks.stats()
         stats = await super().stats()
+        stats["verify_ms_by_tokens"] = {n: round(s * 1e3, 2) for n, s in self.verify_curve.points().items()}
         if self.draft_client is not None:
             stats["draft_homes"] = self.draft_client.homes.counts()
             stats["draft_moves"] = self.draft_client.moved

@@ -10,9 +10,11 @@ from app.controller import (
     GoodputGate,
     KController,
     KControllerConfig,
+    VerifyCurve,
     expected_accepted_length,
     expected_speedup,
     optimal_k,
+    verify_extra,
 )
 
 
@@ -208,6 +210,42 @@ def test_a_busy_target_turns_speculation_off_without_probes():
     ctrl = KController(KControllerConfig(probe_interval=4))
     run(ctrl, rng, alpha=0.02, c=0.05, rounds=50)
     assert any(ctrl.choose(0.05, verify_cost=2.0) > 0 for _ in range(20))
+
+
+def test_a_measured_verify_curve_caps_k_where_rows_start_to_cost():
+    """One CPU core: verifying up to 5 rows costs a step, more rows cost more (the reference target's
+    curve). A slope could only say "free" (K = k_max) or "costly" (shorter everywhere); per K, the
+    controller stops where the rows start to cost."""
+    curve = VerifyCurve(saturation=32)
+    for rows, ms in [(1, 30.2), (2, 29.9), (3, 29.5), (4, 30.2), (5, 30.8), (7, 38.6), (9, 43.6), (12, 50.6)]:
+        curve.observe(rows, ms / 1e3)
+    extra = curve.extra(batch=1, k_max=8)
+    assert extra[0] == 0.0 and max(extra[:5]) < 0.03  # K <= 4: the same step
+    assert extra[8] == pytest.approx(43.6 / 30.2 - 1)  # measured at 9 rows
+    assert extra[5] == pytest.approx((30.8 + 38.6) / 2 / 30.2 - 1)  # between 5 and 7 rows
+    free = optimal_k(0.8, 0.05, 8)
+    measured = optimal_k(0.8, 0.05, 8, verify_cost=extra)
+    assert free == 8 and measured == 4
+
+
+def test_verify_curve_reads_unmeasured_counts_off_its_prior():
+    curve = VerifyCurve(saturation=32)
+    assert curve.seconds(10) is None
+    assert curve.extra(batch=8, k_max=4) == pytest.approx([0.0, 0.0, 0.0, 0.0, 0.25])  # 8·(K+1) against 32
+    curve.observe(40, 0.2)
+    assert curve.seconds(80) == pytest.approx(0.4)  # past the last point: scaled as the prior (linear past 32)
+    assert curve.seconds(20) == pytest.approx(0.2 / 1.25)  # below the first: flat under 32 tokens
+    curve.observe(40, 0.3)  # an EMA per count
+    assert 0.2 < curve.seconds(40) < 0.3
+    curve.observe(1000, 1.0)
+    assert curve.seconds(1010) == curve.seconds(1000)  # 16 points per doubling past 64 tokens
+
+
+def test_a_scalar_verify_cost_is_a_slope():
+    assert verify_extra(0.1, 3) == pytest.approx(0.3)
+    assert verify_extra([0.0, 0.0, 0.2], 5) == 0.2  # past the list: its last figure
+    assert expected_speedup(0.8, 3, 0.1, verify_cost=[0, 0.2, 0.4, 0.6]) == pytest.approx(
+        expected_speedup(0.8, 3, 0.1, verify_cost=0.2))
 
 
 # --- measuring c ---------------------------------------------------------------------------
