@@ -433,6 +433,31 @@ def test_where_the_gate_measured_plain_steps_faster_flexible_requests_never_call
     assert pinned.speculation["drafted_tokens"] > 0 and seeded.speculation["drafted_tokens"] > 0
 
 
+class CountingGate(GoodputGate):
+    """A gate that counts the rounds it is told of."""
+
+    def __init__(self):
+        super().__init__()
+        self.rounds = 0
+
+    def emitted(self, tokens: int, active: int) -> None:
+        self.rounds += 1
+        super().emitted(tokens, active)
+
+
+def test_the_gate_measures_only_rounds_whose_mode_it_decides(engine):
+    """Requests with speculation off, a pinned K or a seed take the mode they ask for: their rounds would
+    be counted as whichever mode the gate's window was in, and set its rates from rounds it did not run."""
+    eng = engine()
+    eng.costs = DraftLags(gate=CountingGate())
+    eng.generate([PROMPTS[0]], greedy(enabled=False))
+    eng.generate([PROMPTS[0]], greedy(num_tokens=3))
+    eng.generate([PROMPTS[0]], seeded(3))
+    assert eng.costs.gate.rounds == 0
+    flexible = eng.generate([PROMPTS[0]], greedy())[0]
+    assert eng.costs.gate.rounds == flexible.speculation["rounds"] > 0
+
+
 def test_an_engine_without_the_gate_never_consults_one(engine):
     eng = engine()
     assert eng.costs.gate is None
