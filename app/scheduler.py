@@ -97,9 +97,9 @@ class ForwardQueue(Generic[Item, Result]):
     """Serialises a model's forwards and fuses what waits; frees released sequences' caches safely.
 
     forward(items) -> one result per item (each result has a `stats` dict, filled here with the batch
-    size, the forward's seconds and `extra_stats`). on_batch(items, tokens, seconds) after each forward. release(seq_id) frees a sequence's cache; a
-    sequence released while a forward computing it runs has its cache freed again after it, since
-    that forward stores it.
+    size, the forward's seconds and `extra_stats`); then on_batch(items, tokens, seconds). release(seq_id)
+    frees a sequence's cache; a sequence released while a forward computing it runs has its cache freed
+    again after it, since that forward stores it.
 
     One request never fails another: when a batch's forward raises, every sequence in it is
     forgotten (`forget(seq_id)`: its KV and grammar state, which the failed forward may have left half
