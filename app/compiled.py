@@ -62,15 +62,30 @@ def unavailable(device: torch.device) -> str | None:
     return None
 
 
+def agrees(eager: torch.Tensor, compiled: torch.Tensor, dtype: torch.dtype) -> tuple[bool, float]:
+    """Whether compiled logits are the eager ones to the rounding of `dtype` ([rows, V] each), and the
+    largest difference. Within a tolerance relative to the largest logit, and where the two argmaxes
+    differ, the compiled one must be a near-tie in the eager logits (within that tolerance of the
+    best): bf16 graphs fuse and round differently, and on the first GPU run a random 8-layer model's
+    top two logits fell within 0.28 of each other at one of eight positions. A miscompile (a wrong
+    op, a head that scales) is off by far more."""
+    tol = 1e-3 if dtype == torch.float32 else 5e-2
+    eager, compiled = eager.float(), compiled.float()
+    bound = tol * eager.abs().max().clamp_min(1.0)
+    diff = (eager - compiled).abs().max()
+    picked = eager.gather(-1, compiled.argmax(-1, keepdim=True)).squeeze(-1)
+    return bool(diff <= bound and (picked >= eager.max(-1).values - bound).all()), diff.item()
+
+
 class CompiledSteps:
     """The compiled decoder of one model, over static token-count buckets."""
 
-    def __init__(self, model, mode: str, max_tokens: int = 128):
+    def __init__(self, model, mode: str, max_tokens: int = 128, dynamic: bool = False):
         if mode not in MODES or mode == "off":
             raise ValueError(f"compile mode must be one of {MODES[1:]}, got {mode!r}")
         self.decoder, self.head = model.get_decoder(), model.get_output_embeddings()
         self.buckets = buckets(max_tokens)
-        self.mode = mode
+        self.mode, self.dynamic = mode, dynamic
         import torch._dynamo.config as dynamo
 
         # one graph per bucket and model (target and draft share the decoder's code in one process)
@@ -82,7 +97,10 @@ class CompiledSteps:
             import torch._inductor.config as inductor
 
             inductor.graph_partition = True  # CUDA graphs around the attention op, which runs live
-        self.graph = torch.compile(self._decode, mode=mode, dynamic=False, fullgraph=True)
+        # dynamic: one graph for every bucket past 1 (dynamo specialises a size of 1), the token count
+        # symbolic; static: one graph per bucket. On the first GPU runs an 8-layer model took tens of
+        # seconds per static graph, 14 of them for a pair: the production check ran out of time compiling
+        self.graph = torch.compile(self._decode, mode=mode, dynamic=dynamic, fullgraph=True)
 
     def _decode(self, input_ids: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
         empty = torch.empty(1, 1, 0, 0, dtype=torch.bool, device=input_ids.device)  # no dense mask: attention is ragged

@@ -98,3 +98,35 @@ def test_the_gpu_shape_compiled_steps_over_flex_attention_gives_the_same_tokens(
     out = Engine(*runners).generate(PROMPTS, greedy(num_tokens=4))
     for r in out:
         assert r.token_ids == reference(pair[0], r.prompt_token_ids, 24)
+
+
+def test_the_gpu_compile_is_one_graph_past_a_single_token_and_never_recompiles(pair, tokenizer):
+    """On a GPU the token count is symbolic (one graph for buckets 2..MAX, dynamo specialising 1):
+    the eager tokens, at most two graphs per model, and no recompile on mixed batches once warm."""
+    runners = [ModelRunner(m, tokenizer, compile="default", compile_max_tokens=MAX) for m in pair]
+    before = counters["stats"]["unique_graphs"]
+    for r in runners:
+        r.steps = compiled.CompiledSteps(r.model, "default", MAX, dynamic=True)
+        r.warm()
+    assert all(r.steps is not None for r in runners), "the compiled path failed its check"
+    # at most two per model (here the draft, the target's shape, reuses the target's graphs)
+    assert 0 < counters["stats"]["unique_graphs"] - before <= 2 * len(runners)  # static: 4 per model
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        out = Engine(*runners).generate(PROMPTS, greedy(num_tokens="auto"))
+    for r in out:
+        assert r.token_ids == reference(pair[0], r.prompt_token_ids, 24)
+
+
+def test_compiled_logits_may_break_a_near_tie_of_their_dtype_but_no_more():
+    """bf16 tolerance 5e-2 of the largest logit (here 10: 0.5). A flip between two logits within it
+    agrees; the same small differences flipping to a logit further below the best do not; a head
+    that doubles its logits does not."""
+    eager = torch.tensor([[10.0, 9.9, 0.0], [1.0, 2.0, 3.0]])
+    near_tie = torch.tensor([[9.6, 10.0, 0.0], [1.0, 2.0, 3.0]])
+    assert compiled.agrees(eager, near_tie, torch.bfloat16) == (True, pytest.approx(0.4))
+    assert not compiled.agrees(eager, near_tie, torch.float32)[0]  # float32: 1e-3 of 10
+    eager_gap = torch.tensor([[10.0, 9.45, 0.0], [1.0, 2.0, 3.0]])
+    flipped = torch.tensor([[9.55, 9.9, 0.0], [1.0, 2.0, 3.0]])  # every difference 0.45, within 0.5
+    assert not compiled.agrees(eager_gap, flipped, torch.bfloat16)[0]
+    assert not compiled.agrees(eager, eager * 2, torch.bfloat16)[0]
+    assert compiled.agrees(eager, eager.clone(), torch.float32) == (True, 0.0)

@@ -27,8 +27,10 @@ architecture, with random weights scaled so its distributions are peaked like a 
 
 import argparse
 import json
+import logging
 import sys
 import time
+import traceback
 
 import torch
 import torch._dynamo
@@ -42,6 +44,7 @@ from app.params import SamplingParams
 from app.runner import ModelRunner, SeqInput
 from app.sampling import process_logits, rejection_sample
 
+log = logging.getLogger("tools.gpu_check")  # not __name__: run as __main__
 VOCAB = 32000
 NO_NATIVE_BF16 = "this device has no native bf16 matmul (torch would take its scalar fallback): not run"
 
@@ -62,7 +65,8 @@ def llama(layers: int, hidden: int, vocab: int, seed: int, dtype: torch.dtype, d
     cfg = LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=int(hidden * 2.75) // 64 * 64,
                       num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=max(1, heads // 4),
                       max_position_embeddings=4096, bos_token_id=0, eos_token_id=1, tie_word_embeddings=False)
-    model = LlamaForCausalLM(cfg).eval()
+    with torch.device(device):  # initialised where it runs: a 1B model's init on the host took most of a minute
+        model = LlamaForCausalLM(cfg).eval()
     with torch.no_grad():
         model.lm_head.weight.mul_(8.0)  # peaked distributions: greedy is not decided by rounding
     return model.to(device=device, dtype=dtype).requires_grad_(False)
@@ -183,6 +187,7 @@ def check_served_path(device: str, smoke: bool) -> dict:
     ref = [run_hf(Engine(ModelRunner(target, tok)), ids, MODES["hf-target"], n_tokens).tokens for ids in batch]
     report = {"batch": len(batch), "modes": {}}
     for mode in ["off", "default"] + (["reduce-overhead"] if device.startswith("cuda") else []):
+        log.info("served path: compile=%s", mode)
         runners = [ModelRunner(m, tok, compile=mode, compile_max_tokens=64) for m in (target, draft)]
         for r in runners:
             r.on_thread(r.warm)  # on the thread its forwards run on: CUDA graphs are recorded per thread
@@ -227,12 +232,16 @@ def check_production(device: str, smoke: bool) -> dict:
         for name, model in (("target", target), ("draft", draft)):
             model.save_pretrained(f"{tmp}/{name}")
             tok.save_pretrained(f"{tmp}/{name}")
+        log.info("production path: the pair saved; loading it as a replica does")
+        t_load = time.perf_counter()
         settings = ModelSettings(dtype=str(dtype).removeprefix("torch."), device=device, memory_utilization=0.9,
                                  max_model_len=2048, compile="default", compile_max_tokens=64,
                                  max_cache_bytes=None if device.startswith("cuda") else 64 << 20)
         engine = Engine.from_config(EngineConfig(target=f"{tmp}/target", draft=f"{tmp}/draft", target_settings=settings,
                                                  draft_settings=settings,
                                                  speculation=SpeculationSettings(draft_ahead=False)))
+    load_s = time.perf_counter() - t_load
+    log.info("production path: loaded and warmed in %.1f s", load_s)
     g = torch.Generator().manual_seed(11)
     batch = [torch.randint(2, vocab, (int(torch.randint(8, 200, (1,), generator=g)),), generator=g).tolist()
              for _ in range(n_req)]
@@ -245,6 +254,7 @@ def check_production(device: str, smoke: bool) -> dict:
               "kv_budget_gib": round(engine.target.cache.max_bytes / 2**30, 2),
               "draft_kv_budget_gib": round(engine.draft.cache.max_bytes / 2**30, 2),
               "kv_tokens": engine.target.capacity_tokens(), "compiled": engine.target.steps is not None,
+              "draft_compiled": engine.draft.steps is not None, "load_and_warm_s": round(load_s, 1),
               "attention": engine.target.attention}
     before = dynamo.error_on_recompile
     dynamo.error_on_recompile = True
@@ -256,6 +266,7 @@ def check_production(device: str, smoke: bool) -> dict:
             t0 = time.perf_counter()
             first = engine.generate(batch, params)
             seconds = time.perf_counter() - t0
+            log.info("production path: %d requests in %.1f s", n_req, seconds)
             if cuda:
                 torch.cuda.set_sync_debug_mode("default")
         second = engine.generate(batch, params)
@@ -285,6 +296,7 @@ def benchmark(device: str, smoke: bool) -> dict:
     steps, context, k = (3, 32, 4) if smoke else (20, 512, 4)
     costs = {}
     for b in (1, 8, 32):
+        log.info("benchmark: costs at batch %d", b)
         one, verify = forward_ms(target, context, 1, steps, b), forward_ms(target, context, k + 1, steps, b)
         costs[b] = {"step_ms": one, "verify_ms": verify, "verify_over_step": verify / one}
     c = forward_ms(draft, context, 1, steps) / costs[1]["step_ms"]
@@ -295,6 +307,7 @@ def benchmark(device: str, smoke: bool) -> dict:
     for name, mode in [("speculative K=4", MODES["spec-k4"]), ("speculative auto", MODES["spec-auto"]),
                        ("HF generate", MODES["hf-target"]),
                        ("HF assisted K=4", Mode("hf-assisted-k4", assistant=K_MATCHED, hf=True))]:
+        log.info("benchmark: %s", name)
         runs = [(run_hf if mode.hf else run_engine)(engine, ids, mode, n_tokens)
                 for ids in prompts(2 if smoke else 4, context, vocab, seed=7)]
         speed[name] = sum(len(r.tokens) for r in runs) / sum(r.seconds for r in runs)
@@ -310,6 +323,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--only", help="comma-separated steps to run (default all): identity_fp32, identity_bf16, "
                                   "sampling, served_path, production_path, benchmark")
     args = p.parse_args(argv)
+    # the engine's progress (each compiled bucket, the budget) with seconds since start: a step that
+    # runs out of its time says where it was
+    logging.basicConfig(format="%(relativeCreated)8.0f ms %(name)s: %(message)s")
+    for name in ("app", "tools"):
+        logging.getLogger(name).setLevel(logging.INFO)
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         print("gpu-check: no CUDA device visible to torch", file=sys.stderr)
         return 2
@@ -332,7 +350,8 @@ def main(argv: list[str] | None = None) -> int:
         try:
             report[name] = run()
         except Exception as e:
-            report[name] = {"ok": False, "error": f"{type(e).__name__}: {e}"}
+            report[name] = {"ok": False, "error": f"{type(e).__name__}: {e}",
+                            "where": traceback.format_exc(limit=-6).splitlines()[-14:]}
         report[name]["seconds"] = round(time.perf_counter() - t0, 1)
         print(f"gpu-check: {name}: {'ok' if report[name]['ok'] else 'FAILED'} "
               f"{json.dumps({k: v for k, v in report[name].items() if k != 'ok'})}", flush=True)
