@@ -30,11 +30,12 @@ class ModelSettings(BaseModel):
         "counts (powers of two), compiled before the replica takes traffic; larger forwards run eagerly. "
         "reduce-overhead replays the graphs as CUDA graphs on a GPU. CPU needs a C++ compiler; without one, eager.")
     compile_max_tokens: int = Field(128, ge=1, description="Largest compiled step, positions per forward.")
-    attention: Literal["auto", "flex", "cpu_paged", "per_sequence"] = Field(
+    attention: Literal["auto", "flex", "cpu_paged", "per_sequence", "varlen"] = Field(
         "auto", description="How attention reads the paged KV cache: flex = one FlexAttention call per layer "
         "(opt-in: not yet proven on a GPU); cpu_paged = decode and verify rows in one call per layer of a C++ kernel built on "
         "the machine (auto on a CPU with a compiler, float32); per_sequence = one SDPA call per sequence (auto "
-        "elsewhere, a GPU included).")
+        "elsewhere, a GPU included); varlen = torch's variable-length FlashAttention, one call per layer for "
+        "up to 65536 gathered context positions (opt-in: not yet proven on a GPU; a CPU runs a reference).")
     max_model_len: int | None = Field(
         None, ge=1, description="Longest sequence (prompt and output) served, in tokens. The memory model "
         "sizes attention's buffers for it, and a replica whose KV cache cannot hold one sequence of it refuses "

@@ -19,6 +19,11 @@ class InsufficientMemoryError(RuntimeError):
     """The device cannot hold the weights, the working buffers and any KV cache at this utilization."""
 
 
+# the most context positions one group of the varlen attention path gathers (app/ragged.py); a longer
+# sequence is a group alone
+VARLEN_GATHER_TOKENS = 1 << 16
+
+
 def _attention_dims(config, tp_size: int) -> tuple[int, int, int]:
     """(query heads, key/value heads, head dim) of one tensor-parallel rank."""
     hidden = getattr(config, "hidden_size", 0)
@@ -50,6 +55,8 @@ def working_bytes(config, dtype: torch.dtype, tokens: int, vocab: int, *, contex
       blocks are not one run, and builds its causal mask [tokens, context]. On a GPU SDPA's fused
       kernels take the mask without scores (app/ragged.py never lets it fall back to the math
       kernel there); on a CPU a masked SDPA is the math kernel: float32 scores and their softmax.
+      "varlen" gathers a group's contexts (app/ragged.py: up to VARLEN_GATHER_TOKENS positions, or one
+      sequence's) and its FlashAttention kernel holds no scores.
       "padded" (models with sliding windows or soft-capping) holds every layer's padded slab
       [batch, kv heads, context + width, D] for the forward, and eager attention's float32 scores
       [heads, tokens, context] and their softmax for one layer at a time."""
@@ -68,6 +75,8 @@ def working_bytes(config, dtype: torch.dtype, tokens: int, vocab: int, *, contex
             scratch += 2 * 4 * heads * tokens * context
         else:  # on a GPU, keys and values repeated to the query heads for the fused kernel (GQA)
             scratch += 2 * heads * context * head_dim * itemsize
+    elif attention == "varlen":  # a group's contexts gathered (keys, values), at least one whole sequence's
+        scratch = 2 * kv_heads * max(context, VARLEN_GATHER_TOKENS) * head_dim * itemsize
     elif attention == "padded":
         layers = getattr(config, "num_hidden_layers", 0)
         seqs = max(1, min(batch or tokens, tokens))

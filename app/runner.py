@@ -75,7 +75,7 @@ def load_generation_config(name_or_path: str, trust_remote_code: bool = False):
         return None
 
 
-ATTENTION = ("auto", "flex", "cpu_paged", "per_sequence")  # app/ragged.py
+ATTENTION = ("auto", "flex", "cpu_paged", "per_sequence", "varlen")  # app/ragged.py
 
 
 def _note_thread(holder: list) -> None:
@@ -110,7 +110,8 @@ class ModelRunner:
         # builds it (float32), else one SDPA call per sequence; FlexAttention over the block pool when
         # asked for. On the first GPU run (an H100, torch 2.11) inductor could not lower the flex kernel
         # for the pool's shapes (NoValidChoicesError) and new batch shapes recompiled it past dynamo's
-        # limit, so auto no longer takes it on a GPU.
+        # limit, so auto no longer takes it on a GPU. varlen (one FlashAttention call per layer for many
+        # sequences) is opt-in on a GPU until a run there proves it; on a CPU it runs a reference.
         if attention not in ATTENTION:
             raise ValueError(f"attention must be one of {ATTENTION}, got {attention!r}")
         if attention == "auto":  # flex is opt-in on a GPU: docs/configuration.md, "What a GPU has proven"

@@ -104,13 +104,14 @@ def test_the_gpu_compile_is_one_graph_past_a_single_token_and_never_recompiles(p
     """On a GPU the token count is symbolic (one graph for buckets 2..MAX, dynamo specialising 1):
     the eager tokens, at most two graphs per model, and no recompile on mixed batches once warm."""
     runners = [ModelRunner(m, tokenizer, compile="default", compile_max_tokens=MAX) for m in pair]
+    torch._dynamo.reset()  # no graph of an earlier test's runner over these shapes to reuse
     before = counters["stats"]["unique_graphs"]
     for r in runners:
         r.steps = compiled.CompiledSteps(r.model, "default", MAX, dynamic=True)
         r.warm()
     assert all(r.steps is not None for r in runners), "the compiled path failed its check"
-    # at most two per model (here the draft, the target's shape, reuses the target's graphs)
-    assert 0 < counters["stats"]["unique_graphs"] - before <= 2 * len(runners)  # static: 4 per model
+    # two: the draft, the target's shape, reuses the target's graphs; static buckets would take four
+    assert 0 < counters["stats"]["unique_graphs"] - before <= 2
     with torch._dynamo.config.patch(error_on_recompile=True):
         out = Engine(*runners).generate(PROMPTS, greedy(num_tokens="auto"))
     for r in out:

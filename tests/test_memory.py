@@ -73,7 +73,7 @@ def test_real_configs_at_their_full_context_need_gigabytes_of_working_memory_not
     draft. The ragged paths materialise no scores; the padded one does, for the context it serves."""
     cfg = real_config(name)
     assert cfg.num_attention_heads > 0 and cfg.max_position_embeddings == 131072
-    for path in ("flex", "per_sequence", "cpu_paged"):
+    for path in ("flex", "per_sequence", "cpu_paged", "varlen"):
         work = working_bytes(cfg, torch.bfloat16, tokens, cfg.vocab_size, attention=path, logit_rows=rows, tp_size=tp)
         assert work < most, (path, work / GiB)
     # the padded path holds every layer's slab and the scores: budgeted, and far larger at full context

@@ -10,16 +10,17 @@ from app.runner import ModelRunner, SeqInput
 ATOL = 1e-4
 
 
-@pytest.fixture(params=["ragged", "per_sequence", "padded", "flex"])
+@pytest.fixture(params=["ragged", "per_sequence", "padded", "flex", "varlen"])
 def target_runner(request, target_model, tokenizer):
     """Every forward layout: packed rows (the default: on a CPU, short spans through the paged kernel),
-    packed rows with one SDPA call per sequence, packed rows with FlexAttention over the pool (the GPU
-    path; a small pool here: the CPU runs FlexAttention's reference code), and padded batches (models
-    ragged attention cannot serve exactly, e.g. sliding windows)."""
+    packed rows with one SDPA call per sequence, packed rows with FlexAttention over the pool (a small
+    pool here: the CPU runs FlexAttention's reference code), packed rows with sequences' contexts
+    gathered for one varlen call per layer (a GPU's FlashAttention; here the reference of its
+    contract), and padded batches (models ragged attention cannot serve exactly, e.g. sliding windows)."""
     if request.param == "flex":
         return ModelRunner(target_model, tokenizer, max_cache_bytes=4 << 20, attention="flex")
-    if request.param == "per_sequence":
-        return ModelRunner(target_model, tokenizer, attention="per_sequence")
+    if request.param in ("per_sequence", "varlen"):
+        return ModelRunner(target_model, tokenizer, attention=request.param)
     runner = ModelRunner(target_model, tokenizer)
     runner.ragged = request.param == "ragged"
     return runner

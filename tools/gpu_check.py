@@ -9,15 +9,17 @@ architecture, with random weights scaled so its distributions are peaked like a 
    rounding step of each other, i.e. the tie is one that batched and stepwise forwards may break
    differently; any other difference fails.
 2. sampling: the rejection sampler on the device reproduces p (chi-square over many seeded draws).
-3. served path: the engine pieces a served replica runs, together: a batch of requests (two share a
+3. attention: the GPU's attention paths (per_sequence, varlen) against `generate`, and their step times
+   at batch 1, 8 and 32.
+4. served path: the engine pieces a served replica runs, together: a batch of requests (two share a
    long prompt, so the second borrows the first's KV blocks by reference), drafting ahead, paged
    KV, and compiled steps (`compile="default"`, then the CUDA-graph mode `reduce-overhead` on a
    GPU); greedy output equals the eager engine's and HF `generate`'s, and the compiled step's time
    is set against the eager one's.
-4. production path: the pair loaded as a replica loads it (the budget from the device's memory), bf16,
+5. production path: the pair loaded as a replica loads it (the budget from the device's memory), bf16,
    compiled, 32 requests (greedy and seeded sampled), recompiles an error once warm, syncs counted
    (torch.cuda.set_sync_debug_mode); a second run must give the same tokens.
-5. benchmark: a Llama-shaped target of about 1B parameters and a 2-layer draft in bf16 (float32 on a
+6. benchmark: a Llama-shaped target of about 1B parameters and a 2-layer draft in bf16 (float32 on a
    CPU without native bf16, where the bf16 identity check is skipped too: `app.dtypes`); the K+1
    verify cost against one step at batch 1, 8 and 32, the cost ratio c, and tok/s of speculative
    decoding against HF `generate` and HF assisted generation.
@@ -209,6 +211,40 @@ def check_served_path(device: str, smoke: bool) -> dict:
     return report
 
 
+# --- 3a. attention paths -------------------------------------------------------------------------
+
+def check_attention(device: str, smoke: bool) -> dict:
+    """Each GPU attention path (app/ragged.py) in bf16 where the device has it, eager: greedy output of a
+    batch of 16 against HF `generate` (bf16: a difference only at a near-tie, as in check_identity), and
+    the step's time at batch 1, 8 and 32 over 512 cached positions. varlen (one kernel call per layer
+    for the batch) against per_sequence (one SDPA call per sequence per layer) decides auto's choice."""
+    dtype = torch.float32 if smoke else dtypes.compute_dtype(device)
+    layers, hidden, vocab, n_tokens = (2, 64, 512, 12) if smoke else (8, 1024, VOCAB, 32)
+    target = llama(layers, hidden, vocab, 1, dtype, device)
+    tok = tokenizer(vocab)
+    batch = prompts(4 if smoke else 16, 40, vocab, seed=9)
+    params = SamplingParams(temperature=0, max_tokens=n_tokens, ignore_eos=True)
+    ref = [run_hf(Engine(ModelRunner(target, tok)), ids, MODES["hf-target"], n_tokens).tokens for ids in batch]
+    report = {"dtype": str(dtype).removeprefix("torch."), "paths": {}}
+    for path in ("per_sequence", "varlen"):
+        log.info("attention: %s", path)
+        runner = ModelRunner(target, tok, attention=path)
+        out = Engine(runner).generate([list(ids) for ids in batch], params)
+        entry = {"identical": 0, "near_ties": 0, "failed": 0}
+        for ids, r, want in zip(batch, out, ref):
+            if r.token_ids == want:
+                entry["identical"] += 1
+                continue
+            j = next(i for i, (a, b) in enumerate(zip(r.token_ids, want)) if a != b)
+            tie = dtype != torch.float32 and near_tie(target, ids + want, len(ids) + j)[0]
+            entry["near_ties" if tie else "failed"] += 1
+        entry["step_ms"] = {b: round(step_ms(runner, b, 32 if smoke else 512, 3 if smoke else 10), 2)
+                            for b in (1, 8, 32)}
+        report["paths"][path] = entry
+    report["ok"] = not any(p["failed"] for p in report["paths"].values())
+    return report
+
+
 # --- 3b. the production path ---------------------------------------------------------------------
 
 def check_production(device: str, smoke: bool) -> dict:
@@ -321,7 +357,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--smoke", action="store_true", help="tiny sizes: the same code in seconds, e.g. on a CPU")
     p.add_argument("--json", help="write the report here")
     p.add_argument("--only", help="comma-separated steps to run (default all): identity_fp32, identity_bf16, "
-                                  "sampling, served_path, production_path, benchmark")
+                                  "sampling, attention, served_path, production_path, benchmark")
     args = p.parse_args(argv)
     # the engine's progress (each compiled bucket, the budget) with seconds since start: a step that
     # runs out of its time says where it was
@@ -336,6 +372,7 @@ def main(argv: list[str] | None = None) -> int:
              ("identity_bf16", lambda: check_identity(torch.bfloat16, args.device, args.smoke)
               if dtypes.native_bf16(args.device) else {"ok": True, "skipped": NO_NATIVE_BF16}),
              ("sampling", lambda: check_sampling(args.device, args.smoke)),
+             ("attention", lambda: check_attention(args.device, args.smoke)),
              ("served_path", lambda: check_served_path(args.device, args.smoke)),
              ("production_path", lambda: check_production(args.device, args.smoke)),
              ("benchmark", lambda: benchmark(args.device, args.smoke))]
