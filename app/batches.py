@@ -87,12 +87,11 @@ class RaggedBatch:
         logits at `keep` (flat indices), [len(keep), V] float32."""
         device, runner = self.runner.device, self.runner
         # the forward's indices in one host-to-device copy (app/syncs.py)
-        varlen = layout.varlen.parts() if layout.varlen else []
-        staged = upload([keep, positions, layout.slot_list] + varlen
+        parts = layout.parts()  # attention's own indices (gathers, the varlen plan)
+        staged = upload([keep, positions, layout.slot_list] + parts
                         + ([] if isinstance(ids, torch.Tensor) else [ids]), device)
         index, position_ids, layout.slots = staged[0], staged[1].unsqueeze(0), staged[2]
-        if varlen:
-            layout.varlen.take(*staged[3:5])
+        layout.take(staged[3 : 3 + len(parts)])
         input_ids = ids if isinstance(ids, torch.Tensor) else staged[-1].unsqueeze(0)
         bucket = runner.steps.bucket(len(positions)) if runner.steps else None
         if layout.flex:  # its mask is built here, eagerly: create_block_mask does not run inside a compiled step

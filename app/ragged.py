@@ -105,8 +105,29 @@ class Layout:
                      if short else spans)
         for s in self.sdpa:
             s.runs = s.entry.runs(s.start + s.length)
-            if len(s.runs) > 1:
-                s.gather = torch.tensor(s.entry.slots(0, s.start + s.length), device=device)
+        # the spans whose tables are in several runs: their slots gathered, the indices in the forward's
+        # one upload (`parts`, `take`); an upload of its own per span synchronised a GPU's stream
+        self.gathered = [s for s in self.sdpa if len(s.runs) > 1]
+        self._device = device
+
+    def parts(self) -> list[list[int]]:
+        """Host lists of indices this layout's attention needs beyond the row's slots, for the forward's
+        one upload: the gathered spans' slots, end to end, then the varlen plan's."""
+        return [[x for s in self.gathered for x in s.entry.slots(0, s.start + s.length)]] + (
+            self.varlen.parts() if self.varlen else [])
+
+    def take(self, staged: list[torch.Tensor]) -> None:
+        """The uploaded `parts()`, in their order."""
+        if self.gathered:
+            for s, index in zip(self.gathered, staged[0].split([s.start + s.length for s in self.gathered])):
+                s.gather = index
+        if self.varlen:
+            self.varlen.take(*staged[1:3])
+
+    def _staged(self) -> None:
+        """A layout no forward staged (warm-up's, a test's own): its parts uploaded here, once."""
+        if any(s.gather is None for s in self.gathered) or (self.varlen and self.varlen._slots is None):
+            self.take(upload(self.parts(), self._device))
 
     @property
     def slots(self) -> torch.Tensor:
@@ -159,9 +180,10 @@ class Layout:
         """A span's keys and values of every position it attends to, [1, H, end, D]: read in place when
         its blocks are one run of the pool, else gathered."""
         k, v = self.pool.keys[layer], self.pool.values[layer]
-        if s.gather is None:
+        if len(s.runs) == 1:
             a, b = s.runs[0]
             return k[:, a:b].unsqueeze(0), v[:, a:b].unsqueeze(0)
+        self._staged()
         return k.index_select(1, s.gather).unsqueeze(0), v.index_select(1, s.gather).unsqueeze(0)
 
 

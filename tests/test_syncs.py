@@ -77,3 +77,23 @@ def test_the_counter_sees_uploads_the_engine_asks_for():
     with SyncCounter(upload_callers=(__name__,)) as syncs:
         torch.tensor(ids, device="cpu"), torch.tensor(ids), torch.zeros(3).to("cpu"), torch.zeros(3).to(torch.float64)
     assert syncs.uploads == {"tensor": 1, "to": 1} and syncs.count == 0
+
+
+@pytest.mark.parametrize("attention", ["per_sequence", "varlen"])
+def test_a_forward_over_borrowed_prefixes_uploads_once_on_the_gpu_paths(attention, target_model, tokenizer):
+    """The GPU's attention paths: tables in two runs (a prefix borrowed by reference, then their own
+    blocks) are gathered, and their indices travel in the forward's one copy; before, each such
+    span made a copy of its own (a stream sync per fragmented sequence per forward)."""
+    from app.runner import SeqInput
+
+    runner = ModelRunner(target_model, tokenizer, attention=attention)
+    runner.compact_tables = False  # as on a GPU: tables stay in their runs (the CPU moves them into one)
+    donor = list(range(3, 60))
+    runner.forward([SeqInput("donor", donor, 1)])
+    borrowers = [SeqInput(f"b{i}", donor + [70 + i] * (3 + i), 1) for i in range(3)]
+    runner.forward(borrowers)
+    steps = [SeqInput(s.seq_id, s.token_ids + [5], 1) for s in borrowers]
+    with SyncCounter() as syncs:
+        runner.forward(steps)
+    assert all(len(runner.cache.get(s.seq_id).runs(len(s.token_ids))) > 1 for s in steps)  # gathered
+    assert syncs.upload_count == 1, syncs.uploads
