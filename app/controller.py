@@ -169,13 +169,22 @@ class VerifyCurve:
     roofline prior (flat to `saturation` tokens, then linear in them), which also stands in for T
     before any forward. Each round measures the K it chose, so a K that costs more than the prior
     said is seen the first time it runs.
+
+    A point not measured again for `max_age` forwards is forgotten: a K priced high once (a forward
+    slowed by a neighbour's burst) is not chosen, so it is never measured again, and without aging
+    it would stay ruled out for the replica's life. Forgotten, it is read off its neighbours and the
+    prior again, chosen when they say it pays, and measured anew (age in forwards, not seconds: no
+    clock to inject).
     """
 
-    def __init__(self, saturation: int, weight: float = 0.2):
+    def __init__(self, saturation: int, weight: float = 0.2, max_age: int = 2048):
         self.saturation = saturation
         self.weight = weight  # EMA weight of a forward's time at its token count
+        self.max_age = max_age
         self._keys: list[int] = []  # measured token counts, sorted
         self._seconds: dict[int, float] = {}
+        self._forwards = 0  # forwards observed
+        self._at: dict[int, int] = {}  # token count -> the forward that last measured it
 
     @staticmethod
     def _key(tokens: int) -> int:
@@ -196,6 +205,12 @@ class VerifyCurve:
         if key not in self._seconds:
             bisect.insort(self._keys, key)
         self._seconds[key] = _ema(self._seconds.get(key), seconds, self.weight)
+        self._forwards += 1
+        self._at[key] = self._forwards
+        stale = [k for k in self._keys if self._forwards - self._at[k] > self.max_age]
+        for k in stale:
+            self._keys.remove(k)
+            del self._seconds[k], self._at[k]
 
     def seconds(self, tokens: float) -> float | None:
         """T(tokens): measured, interpolated, or extrapolated by the prior; None before any forward."""

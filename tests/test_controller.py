@@ -241,6 +241,23 @@ def test_verify_curve_reads_unmeasured_counts_off_its_prior():
     assert curve.seconds(1010) == curve.seconds(1000)  # 16 points per doubling past 64 tokens
 
 
+def test_a_count_priced_high_once_and_never_chosen_again_is_forgotten_and_tried_anew():
+    """9 rows measured once while a neighbour's burst slowed the forward (twice a step): K = 8 is ruled
+    out, so nothing measures 9 rows again. After max_age forwards at other counts the point goes,
+    9 rows are read off the prior again (flat past the last measured count under saturation), and
+    K = 8 is chosen and measured anew."""
+    curve = VerifyCurve(saturation=32, max_age=100)
+    for rows, ms in [(1, 30.0), (5, 30.5), (9, 60.0)]:
+        curve.observe(rows, ms / 1e3)
+    assert optimal_k(0.8, 0.05, 8, verify_cost=curve.extra(batch=1, k_max=8)) == 4
+    for i in range(100):  # plain steps and K = 4 rounds: 9 rows not measured
+        curve.observe(1 + 4 * (i % 2), 0.030)
+    assert 9 in curve.points()  # 100 forwards old: kept
+    curve.observe(1, 0.030)
+    assert 9 not in curve.points() and set(curve.points()) == {1, 5}
+    assert optimal_k(0.8, 0.05, 8, verify_cost=curve.extra(batch=1, k_max=8)) == 8
+
+
 def test_a_scalar_verify_cost_is_a_slope():
     assert verify_extra(0.1, 3) == pytest.approx(0.3)
     assert verify_extra([0.0, 0.0, 0.2], 5) == 0.2  # past the list: its last figure
