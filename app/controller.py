@@ -170,11 +170,9 @@ class VerifyCurve:
     before any forward. Each round measures the K it chose, so a K that costs more than the prior
     said is seen the first time it runs.
 
-    A point not measured again for `max_age` forwards is forgotten: a K priced high once (a forward
-    slowed by a neighbour's burst) is not chosen, so it is never measured again, and without aging
-    it would stay ruled out for the replica's life. Forgotten, it is read off its neighbours and the
-    prior again, chosen when they say it pays, and measured anew (age in forwards, not seconds: no
-    clock to inject).
+    A point not measured for `max_age` forwards is forgotten: a K priced high once (a slowed forward)
+    is never chosen, so never measured again; forgotten, it is read off its neighbours and the prior,
+    tried when they say it pays, and measured anew.
     """
 
     def __init__(self, saturation: int, weight: float = 0.2, max_age: int = 2048):
@@ -207,8 +205,7 @@ class VerifyCurve:
         self._seconds[key] = _ema(self._seconds.get(key), seconds, self.weight)
         self._forwards += 1
         self._at[key] = self._forwards
-        stale = [k for k in self._keys if self._forwards - self._at[k] > self.max_age]
-        for k in stale:
+        for k in [k for k in self._keys if self._forwards - self._at[k] > self.max_age]:
             self._keys.remove(k)
             del self._seconds[k], self._at[k]
 

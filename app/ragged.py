@@ -32,9 +32,9 @@ Inside the op, attention takes one of three paths (`ModelRunner(attention=...)`)
   bounded whatever the batch): a batch of 32 decode steps takes a few kernels a layer where
   per_sequence takes 32 SDPA calls and their masks. On the first GPU runs a 32-request batch did
   not finish in a minute with per_sequence. The kernel's paged form (a block table into the pool)
-  needs pages of 128-256 positions (BLOCK_SIZE is 16), hence the gather. On a CPU, where the kernel
-  does not run, a reference of its contract (`varlen_reference`) stands in, so the tests check the
-  packing.
+  needs pages of 128-256 positions (BLOCK_SIZE is 16), hence the gather (app/varlen.py). On a CPU,
+  where the kernel does not run, a reference of its contract (`varlen_reference`) stands in, so the
+  tests check the packing.
 All run on a CPU, and the tests check each (tools/kv_bench.py measures them).
 """
 
@@ -50,8 +50,8 @@ from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMa
 
 from app import cpu_attention
 from app.kv import BLOCK_SIZE, BlockPool, SequenceCache
-from app.memory import VARLEN_GATHER_TOKENS
 from app.syncs import upload
+from app.varlen import VarlenGroups
 
 NAME = "specserve_ragged"
 LAYOUT = "specserve_layout"  # the forward's keyword argument saying it runs over the active Layout
@@ -185,122 +185,6 @@ class Layout:
             return k[:, a:b].unsqueeze(0), v[:, a:b].unsqueeze(0)
         self._staged()
         return k.index_select(1, s.gather).unsqueeze(0), v.index_select(1, s.gather).unsqueeze(0)
-
-
-class VarlenGroups:
-    """The varlen path's plan for one forward: the spans in groups of consecutive sequences, each
-    group's contexts (every position its sequences attend to, in order) gathered from the pool end to
-    end, and the kernel's cumulative lengths. Planned on the host from the block tables; its indices
-    travel in the forward's one upload (`parts`, then `take`)."""
-
-    def __init__(self, spans: list[Span]):
-        self.groups: list[tuple[int, int, int, int]] = []  # (first span, end span, max queries, max keys)
-        self.slots: list[int] = []  # every group's context slots, end to end
-        self.cu_q: list[int] = []  # per group: its queries' cumulative lengths from 0 (n + 1 entries)
-        self.cu_k: list[int] = []  # per group: its contexts' cumulative lengths from 0
-        first = 0
-        while first < len(spans):
-            end, total = first, 0
-            while end < len(spans) and (end == first or total + spans[end].start + spans[end].length
-                                        <= VARLEN_GATHER_TOKENS):
-                total += spans[end].start + spans[end].length
-                end += 1
-            group = spans[first:end]
-            for s in group:
-                self.slots += s.entry.slots(0, s.start + s.length)
-            self.cu_q += _cumulative([s.length for s in group])
-            self.cu_k += _cumulative([s.start + s.length for s in group])
-            self.groups.append((first, end, max(s.length for s in group), max(s.start + s.length for s in group)))
-            first = end
-        self.spans = spans
-        self._slots = self._cu = None
-
-    def parts(self) -> list[list[int]]:
-        """The host lists the forward's one upload carries."""
-        return [self.slots, self.cu_q + self.cu_k]
-
-    def take(self, slots: torch.Tensor, cu: torch.Tensor) -> None:
-        """Their uploaded tensors (the kernel's lengths as int32, cast on the device)."""
-        self._slots, self._cu = slots, cu.to(torch.int32)
-
-    def _uploaded(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-        if self._slots is None:  # a forward that was not staged (a test's own Layout): upload here
-            self.take(*upload([self.slots, self.cu_q + self.cu_k], device))
-        return self._slots, self._cu
-
-    def attend(self, query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float,
-               gqa: bool) -> torch.Tensor:
-        """query [1, Hq, T, D] over the pool's keys/values of one layer ([H, slots, D]) -> [1, T, Hq, D];
-        rows past the spans' tokens (a compiled step's padding) zero."""
-        out = query.new_zeros(1, query.shape[2], query.shape[1], query.shape[3])
-        if not self.groups:
-            return out
-        slots, cu = self._uploaded(query.device)
-        kernel = varlen_kernel(query.device)
-        q_all = query[0].transpose(0, 1)  # [T, Hq, D]
-        k_pool, v_pool = keys.transpose(0, 1), values.transpose(0, 1)  # [slots, H, D] views
-        at_k = at_cu_q = 0
-        at_cu_k = len(self.cu_q)
-        for first, end, max_q, max_k in self.groups:
-            n = end - first
-            row_a = self.spans[first].offset
-            row_b = self.spans[end - 1].offset + self.spans[end - 1].length
-            total_k = self.cu_k[at_cu_k - len(self.cu_q) + n]  # the group's context positions
-            index = slots[at_k : at_k + total_k]
-            out[0, row_a:row_b] = kernel(q_all[row_a:row_b].contiguous(), k_pool.index_select(0, index),
-                                         v_pool.index_select(0, index), cu[at_cu_q : at_cu_q + n + 1],
-                                         cu[at_cu_k : at_cu_k + n + 1], max_q, max_k, scale, gqa)
-            at_k, at_cu_q, at_cu_k = at_k + total_k, at_cu_q + n + 1, at_cu_k + n + 1
-        return out
-
-
-def _cumulative(lengths: list[int]) -> list[int]:
-    out = [0]
-    for n in lengths:
-        out.append(out[-1] + n)
-    return out
-
-
-@functools.lru_cache(maxsize=None)
-def varlen_kernel(device: torch.device):
-    """The varlen kernel for `device`: torch's FlashAttention varlen on CUDA (causal aligned to the
-    bottom right: a sequence's queries are the last of its keys; one KV split, so a sequence's result
-    does not depend on its batch), else the reference."""
-    if device.type != "cuda":
-        return varlen_reference
-    import inspect
-
-    from torch.nn.attention.varlen import varlen_attn
-
-    params = inspect.signature(varlen_attn).parameters
-    causal = {"window_size": (-1, 0)} if "window_size" in params else {"is_causal": True}
-    if "num_splits" in params:
-        causal["num_splits"] = 1
-
-    def kernel(q, k, v, cu_q, cu_k, max_q, max_k, scale, gqa):
-        extra = {"enable_gqa": gqa} if "enable_gqa" in params else {}
-        if gqa and not extra:  # an older torch without GQA in varlen: the key/value heads repeated
-            k, v = (t.repeat_interleave(q.shape[1] // t.shape[1], 1) for t in (k, v))
-        return varlen_attn(q, k, v, cu_q, cu_k, max_q, max_k, scale=scale, **causal, **extra)
-
-    return kernel
-
-
-def varlen_reference(q, k, v, cu_q, cu_k, max_q, max_k, scale, gqa) -> torch.Tensor:
-    """The varlen kernel's contract, one SDPA call per sequence: q [Tq, Hq, D] and k, v [Tk, H, D]
-    packed by the cumulative lengths cu_q, cu_k; sequence i's query j sees its keys up to
-    len_k - len_q + j (causal, aligned to the bottom right). The CPU's stand-in, for the tests."""
-    out = torch.empty_like(q)
-    bounds_q, bounds_k = cu_q.tolist(), cu_k.tolist()
-    for i in range(len(bounds_q) - 1):
-        qa, qb, ka, kb = bounds_q[i], bounds_q[i + 1], bounds_k[i], bounds_k[i + 1]
-        if qb == qa:
-            continue
-        span = Span(None, (kb - ka) - (qb - qa), qb - qa, 0)
-        qi = q[qa:qb].transpose(0, 1).unsqueeze(0)
-        ki, vi = (t[ka:kb].transpose(0, 1).unsqueeze(0) for t in (k, v))
-        out[qa:qb] = sdpa(qi, ki, vi, span.causal_mask(qi), scale, gqa)[0].transpose(0, 1)
-    return out
 
 
 _local = threading.local()  # the Layout of the forward this thread runs
