@@ -54,7 +54,8 @@ def test_draft_and_target_scale_independently(tmp_path):
     serve within its first-round goal (set to 1 ms here), with speculation off, grows the target
     pool and leaves the draft pool as it is."""
     target, draft = save_tiny_pair(tmp_path)
-    args = {"target": {"model": target, "dtype": "float32"}, "draft": {"model": draft},
+    # eager forwards: each replica the pools add starts without compiling its steps
+    args = {"target": {"model": target, "dtype": "float32", "compile": "off"}, "draft": {"model": draft, "compile": "off"},
             "speculation": {"draft_timeout_s": 30.0, "draft_ahead": False, "goodput_gate": False},
             "draft_batch": {"max_batch_size": 1}}
     with running_app(target, draft, args=args, deployments={"DraftServer": autoscaling("DraftServer"),

@@ -20,7 +20,7 @@ KEYS = ["concurrency", "requests", "output_tokens", "output_tokens_per_s", "per_
 @pytest.fixture(scope="module")
 def url(tmp_path_factory):
     target, draft = save_tiny_pair(tmp_path_factory.mktemp("pair"))
-    with running_app(target, draft) as base:
+    with running_app(target, draft, compiled=False) as base:
         yield base
 
 

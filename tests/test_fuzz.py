@@ -25,7 +25,7 @@ ERROR_KEYS = {"message", "type", "param", "code"}
 def app(tmp_path_factory):
     pair = save_tiny_pair(tmp_path_factory.mktemp("pair"))
     # a small max_tokens cap keeps a thousand valid generations short
-    with running_app(*pair, args={"limits": {"max_tokens_cap": 8}}) as url:
+    with running_app(*pair, args={"limits": {"max_tokens_cap": 8}}, compiled=False) as url:
         yield url
 
 

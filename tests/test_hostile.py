@@ -512,7 +512,7 @@ def app(tmp_path_factory):
     # fixed replica counts: a replica added or removed by the autoscaler would read as a restart
     fixed = {"autoscaling_config": None, "num_replicas": 1}
     with running_app(*pair, args={"limits": {"max_tokens_cap": MAX_TOKENS_CAP}},
-                     deployments={"DraftServer": fixed, "TargetServer": fixed}) as url:
+                     deployments={"DraftServer": fixed, "TargetServer": fixed}, compiled=False) as url:
         model = httpx.get(f"{url}/v1/models", timeout=TIMEOUT).json()["data"][0]["id"]
         yield {"proxy": url, "direct": direct_url(serve_actors())}, model
 

@@ -74,7 +74,7 @@ def app(tmp_path_factory, receiver):
            "OTEL_BSP_SCHEDULE_DELAY": "200", "OTEL_SERVICE_NAME": "specserve-test", "NO_PROXY": "127.0.0.1"}
     # two ingress replicas: /metrics must give the app's totals whichever one answers
     with running_app(*pair, env=env, system_config={"metrics_report_interval_ms": 1000},
-                     deployments={"Ingress": {"num_replicas": 2}}) as url:
+                     deployments={"Ingress": {"num_replicas": 2}}, compiled=False) as url:
         yield url
 
 

@@ -25,7 +25,7 @@ ERROR_KEYS = {"message", "type", "param", "code"}
 @pytest.fixture(scope="module")
 def app(tmp_path_factory):
     pair = save_tiny_pair(tmp_path_factory.mktemp("pair"))
-    with running_app(*pair, env={"SPECSERVE_API_KEY": KEY}) as url:
+    with running_app(*pair, env={"SPECSERVE_API_KEY": KEY}, compiled=False) as url:
         yield url
 
 

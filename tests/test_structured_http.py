@@ -74,7 +74,7 @@ def pair(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def url(pair):
-    with running_app(*pair, args={"tool_call_parser": "hermes"}) as url:
+    with running_app(*pair, args={"tool_call_parser": "hermes"}, compiled=False) as url:
         yield url
 
 
