@@ -112,3 +112,40 @@ def test_compiled_steps_over_varlen_attention_give_the_eager_tokens_and_never_re
         out = Engine(runner).generate(PROMPTS, greedy())
     for r in out:
         assert r.token_ids == reference(target_model, r.prompt_token_ids, 24)
+
+
+def top_level_ops(fn) -> int:
+    """The aten ops fn dispatches from Python (each a kernel launch or a view on a GPU), not counting
+    the ops inside them."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        fn()
+
+    def outermost(e) -> bool:
+        parent = e.cpu_parent
+        while parent is not None:
+            if parent.name.startswith("aten::"):
+                return False
+            parent = parent.cpu_parent
+        return e.name.startswith("aten::")
+
+    return sum(outermost(e) for e in prof.events())
+
+
+def test_a_decode_forward_dispatches_as_many_ops_at_batch_32_as_at_batch_1(monkeypatch, target_model, tokenizer):
+    """The host-side cost a GPU forward pays per kernel: with the kernel one op (as FlashAttention's
+    is), the varlen path's ops do not grow with the batch; per sequence they do (this model, 2
+    layers: every sequence adds its SDPA call, mask and views per layer)."""
+    monkeypatch.setattr(varlen, "varlen_kernel", lambda device: lambda q, k, v, *rest: torch.ops.aten.clone(q))
+    counts = {}
+    for path in ("varlen", "per_sequence"):
+        for b in (1, 32):
+            runner = ModelRunner(target_model, tokenizer, attention=path)
+            runner.compact_tables = False
+            seqs = [SeqInput(f"s{i}", random_ids(i, 30), 1) for i in range(b)]
+            runner.forward(seqs)
+            steps = [SeqInput(s.seq_id, s.token_ids + [5], 1) for s in seqs]
+            counts[path, b] = top_level_ops(lambda: runner.forward(steps))
+    assert counts["varlen", 32] == counts["varlen", 1]
+    assert counts["per_sequence", 32] > counts["per_sequence", 1] + 31 * 2 * target_model.config.num_hidden_layers
