@@ -20,6 +20,8 @@ def test_the_gpu_check_runs_end_to_end_at_smoke_sizes(tmp_path):
     production = report["production_path"]  # loaded as a replica loads, compiled, recompiles an error once warm
     assert production["compiled"] and production["identical_rerun"] == production["requests"]
     assert production["kv_tokens"] >= 2048 and production["rounds"] > 0
+    paths = report["attention"]["paths"]  # the GPU's attention paths: varlen here through its reference
+    assert set(paths) == {"per_sequence", "varlen"} and all(p["identical"] == 4 for p in paths.values())
     bench = report["benchmark"]
     assert set(bench["costs_by_batch"]) == {"1", "8", "32"} and bench["c"] > 0
     assert set(bench["tokens_per_s"]) == {"speculative K=4", "speculative auto", "HF generate", "HF assisted K=4"}
@@ -63,3 +65,19 @@ def test_a_cpu_without_native_bf16_skips_the_bf16_check_and_benchmarks_in_float3
         gpu_check.benchmark("cpu", smoke=False)  # the full-size benchmark picks its dtype by the rule
     assert seen == [torch.float32]
 
+
+
+def test_isolated_steps_run_apart_and_one_past_its_limit_is_stopped_and_reported(tmp_path, capsys):
+    """--isolate: each step in its own process, the report written after every step; a step that
+    outruns its limit (here 1 ms, shorter than any interpreter's start) is stopped, said and failed."""
+    out = tmp_path / "report.json"
+    assert gpu_check.main(["--device", "cpu", "--smoke", "--only", "sampling", "--isolate", "600",
+                           "--json", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert report["device"] == "cpu" and report["sampling"]["ok"] and report["sampling"]["draws"] > 0
+    assert gpu_check.main(["--device", "cpu", "--smoke", "--only", "sampling,attention", "--isolate", "0.001",
+                           "--json", str(out)]) == 1
+    report = json.loads(out.read_text())
+    assert [report[s]["ok"] for s in ("sampling", "attention")] == [False, False]
+    assert "stopped after its 0.001 s" in report["attention"]["error"]
+    assert "FAILED: sampling, attention" in capsys.readouterr().out

@@ -33,6 +33,7 @@ import logging
 import sys
 import time
 import traceback
+from pathlib import Path
 
 import torch
 import torch._dynamo
@@ -358,6 +359,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", help="write the report here")
     p.add_argument("--only", help="comma-separated steps to run (default all): identity_fp32, identity_bf16, "
                                   "sampling, attention, served_path, production_path, benchmark")
+    p.add_argument("--isolate", type=float, metavar="SECONDS",
+                   help="each step in a process of its own, stopped after SECONDS (tools/gpu_steps.py)")
     args = p.parse_args(argv)
     # the engine's progress (each compiled bucket, the budget) with seconds since start: a step that
     # runs out of its time says where it was
@@ -381,6 +384,15 @@ def main(argv: list[str] | None = None) -> int:
         if unknown:
             p.error(f"unknown steps: {', '.join(sorted(unknown))}")
         steps = [(name, run) for name, run in steps if name in args.only.split(",")]
+    if args.isolate:
+        import tempfile
+
+        from tools.gpu_steps import run_isolated
+
+        extra = ["--device", args.device] + (["--smoke"] if args.smoke else [])
+        with tempfile.TemporaryDirectory() as tmp:
+            report = run_isolated([name for name, _ in steps], args.isolate, extra, args.json, Path(tmp))
+        steps = []  # run above
     for name, run in steps:
         t0 = time.perf_counter()
         print(f"gpu-check: {name} ...", flush=True)
@@ -392,10 +404,9 @@ def main(argv: list[str] | None = None) -> int:
         report[name]["seconds"] = round(time.perf_counter() - t0, 1)
         print(f"gpu-check: {name}: {'ok' if report[name]['ok'] else 'FAILED'} "
               f"{json.dumps({k: v for k, v in report[name].items() if k != 'ok'})}", flush=True)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(report, f, indent=2)
-    failed = [name for name, _ in steps if not report[name]["ok"]]
+        if args.json:  # after every step: a run stopped midway leaves what it did
+            Path(args.json).write_text(json.dumps(report, indent=2))
+    failed = [name for name, value in report.items() if isinstance(value, dict) and not value["ok"]]
     print("gpu-check: " + ("all passed" if not failed else f"FAILED: {', '.join(failed)}"))
     return 1 if failed else 0
 
