@@ -30,15 +30,14 @@ Inside the op, attention takes one of three paths (`ModelRunner(attention=...)`)
   (`torch.nn.attention.varlen`), one call per layer for a group of sequences whose contexts are
   gathered end to end (at most VARLEN_GATHER_TOKENS positions a group, so the gather's memory is
   bounded whatever the batch): a batch of 32 decode steps takes a few kernels a layer where
-  per_sequence takes 32 SDPA calls and their masks. On the first GPU runs a 32-request batch did
-  not finish in a minute with per_sequence. The kernel's paged form (a block table into the pool)
+  per_sequence takes 32 SDPA calls and their masks (on the second GPU run a 32-request batch over
+  per_sequence had not finished in a minute; the cause is not yet isolated). The kernel's paged form (a block table into the pool)
   needs pages of 128-256 positions (BLOCK_SIZE is 16), hence the gather (app/varlen.py). On a CPU,
   where the kernel does not run, a reference of its contract (`varlen_reference`) stands in, so the
   tests check the packing.
 All run on a CPU, and the tests check each (tools/kv_bench.py measures them).
 """
 
-import functools
 import threading
 from contextlib import contextmanager
 from dataclasses import dataclass
