@@ -107,7 +107,7 @@ class Layout:
         # the spans whose tables are in several runs: their slots gathered, the indices in the forward's
         # one upload (`parts`, `take`); an upload of its own per span synchronised a GPU's stream
         self.gathered = [s for s in self.sdpa if len(s.runs) > 1]
-        self._device = device
+        self._device, self._taken = device, False
 
     def parts(self) -> list[list[int]]:
         """Host lists of indices this layout's attention needs beyond the row's slots, for the forward's
@@ -117,6 +117,7 @@ class Layout:
 
     def take(self, staged: list[torch.Tensor]) -> None:
         """The uploaded `parts()`, in their order."""
+        self._taken = True
         if self.gathered:
             for s, index in zip(self.gathered, staged[0].split([s.start + s.length for s in self.gathered])):
                 s.gather = index
@@ -125,7 +126,7 @@ class Layout:
 
     def _staged(self) -> None:
         """A layout no forward staged (warm-up's, a test's own): its parts uploaded here, once."""
-        if any(s.gather is None for s in self.gathered) or (self.varlen and self.varlen._slots is None):
+        if not self._taken:
             self.take(upload(self.parts(), self._device))
 
     @property

@@ -18,7 +18,8 @@ class VarlenGroups:
     travel in the forward's one upload (`parts`, then `take`)."""
 
     def __init__(self, spans: list):  # app.ragged.Span: entry, start, length, offset
-        self.groups: list[tuple[int, int, int, int]] = []  # (first span, end span, max queries, max keys)
+        # (first span, end span, max queries, max keys, the group's context positions)
+        self.groups: list[tuple[int, int, int, int, int]] = []
         self.slots: list[int] = []  # every group's context slots, end to end
         self.cu_q: list[int] = []  # per group: its queries' cumulative lengths from 0 (n + 1 entries)
         self.cu_k: list[int] = []  # per group: its contexts' cumulative lengths from 0
@@ -34,7 +35,8 @@ class VarlenGroups:
                 self.slots += s.entry.slots(0, s.start + s.length)
             self.cu_q += _cumulative([s.length for s in group])
             self.cu_k += _cumulative([s.start + s.length for s in group])
-            self.groups.append((first, end, max(s.length for s in group), max(s.start + s.length for s in group)))
+            self.groups.append((first, end, max(s.length for s in group), max(s.start + s.length for s in group),
+                                total))
             first = end
         self.spans = spans
         self._slots = self._cu = None
@@ -49,7 +51,7 @@ class VarlenGroups:
 
     def _uploaded(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         if self._slots is None:  # a forward that was not staged (a test's own Layout): upload here
-            self.take(*upload([self.slots, self.cu_q + self.cu_k], device))
+            self.take(*upload(self.parts(), device))
         return self._slots, self._cu
 
     def attend(self, query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float,
@@ -65,11 +67,10 @@ class VarlenGroups:
         k_pool, v_pool = keys.transpose(0, 1), values.transpose(0, 1)  # [slots, H, D] views
         at_k = at_cu_q = 0
         at_cu_k = len(self.cu_q)
-        for first, end, max_q, max_k in self.groups:
+        for first, end, max_q, max_k, total_k in self.groups:
             n = end - first
             row_a = self.spans[first].offset
             row_b = self.spans[end - 1].offset + self.spans[end - 1].length
-            total_k = self.cu_k[at_cu_k - len(self.cu_q) + n]  # the group's context positions
             index = slots[at_k : at_k + total_k]
             out[0, row_a:row_b] = kernel(q_all[row_a:row_b].contiguous(), k_pool.index_select(0, index),
                                          v_pool.index_select(0, index), cu[at_cu_q : at_cu_q + n + 1],
