@@ -23,6 +23,7 @@ class Chunk(TypedDict, total=False):
     finish_reason: str  # the last message only, with usage and speculation
     usage: dict
     speculation: dict
+    prompt_forward_s: float  # the last message: seconds of the forwards that computed the prompt (queue time is the rest of TTFT)
     error: dict  # OpenAI's error object: the dispatcher could not get the job served
 
 

@@ -373,6 +373,7 @@ async def run_rounds(
                                                    score_from=start if score else None))
                 rounds.cached = min(end, length - 1)  # a round computes at least its last context position
                 state.prompt_logprobs += done.prompt_logprobs or []
+                state.stats.prompt_forward_s += done.stats.get("forward_s", 0.0)
         while not state.finished:
             # the span ends before the yield: a span must not stay current while the caller runs
             with telemetry.span("round", trace_parent) as span:

@@ -246,7 +246,7 @@ class Engine:
                                 **_logprobs(state, 0),
                                 usage={"prompt_tokens": prompt, "completion_tokens": completion,
                                        "total_tokens": prompt + completion},
-                                speculation=state.stats.summary()))
+                                speculation=state.stats.summary(), prompt_forward_s=state.stats.prompt_forward_s))
 
     async def release(self, seq_id: str) -> None:
         """Free a request's caches on both models (a release that fails is the remote replica's loss)."""

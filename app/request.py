@@ -63,6 +63,7 @@ class SpeculationStats:
     ahead_hits: int = 0  # ...and could use it
     # seconds summed over rounds, as the replica running them saw them (see `timing` in summary())
     seconds: dict = field(default_factory=lambda: dict.fromkeys(TIMES, 0.0))
+    prompt_forward_s: float = 0.0  # the target forwards of the prompt's rounds (not in `seconds`' means' meaning)
 
     def record(self, drafted: int, accepted: int, emitted: int, fallback: bool = False, batch_size: int = 1,
                ahead_hit: bool | None = None, prompt: bool = False) -> None:
@@ -87,6 +88,8 @@ class SpeculationStats:
         """Add one round's timings (an app.telemetry.RoundFacts)."""
         for key, attr in TIMES.items():
             self.seconds[key] += getattr(facts, attr)
+        if facts.prompt:
+            self.prompt_forward_s += facts.verify_forward_s
 
     def summary(self) -> dict:
         """The `speculation` object of responses."""

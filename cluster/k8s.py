@@ -303,6 +303,20 @@ def mean(name: str, by: str = "") -> str:
     return f"sum{group}(rate({m(name, '_sum')}{RATE})) / sum{group}(rate({m(name, '_count')}{RATE}))"
 
 
+# vLLM's names, from the app's /metrics (k8s/monitoring.yaml's second PodMonitor; deployments/metrics.py)
+VLLM_HISTOGRAMS = ["time_to_first_token_seconds", "inter_token_latency_seconds",
+                   "request_time_per_output_token_seconds", "e2e_request_latency_seconds", "request_queue_time_seconds"]
+VLLM_GAUGES = ["num_requests_running", "num_requests_waiting", "kv_cache_usage_perc"]
+
+
+def v(name: str, suffix: str = "") -> str:
+    return f"vllm:{name}{suffix}{SEL}"
+
+
+def vquantile(q: float, name: str) -> str:
+    return f"histogram_quantile({q}, sum by (le)(rate({v(name, '_bucket')}{RATE})))"
+
+
 def panel(title: str, unit: str, targets: list[tuple[str, str]], desc: str) -> dict:
     return {"type": "timeseries", "title": title, "description": desc,
             "datasource": {"type": "prometheus", "uid": "${datasource}"},
@@ -350,6 +364,25 @@ def panels() -> list[dict]:
             (f"sum({m('active_requests')})", "active requests"),
             (f"sum by (ray_io_group)({m('kv_cache_bytes')}) / 2^30", "KV cache GiB {{ray_io_group}}")],
             "Requests in flight in the ingress; KV cache held by the replicas of each pool."),
+        panel("Time to first token (p50, p95)", "s", [
+            (vquantile(0.5, "time_to_first_token_seconds"), "TTFT p50"),
+            (vquantile(0.95, "time_to_first_token_seconds"), "TTFT p95"),
+            (vquantile(0.95, "request_queue_time_seconds"), "queue time p95")],
+            "From a request's arrival to its first token; queue time is the part before its prompt's forward."),
+        panel("Time per output token (p50, p95)", "s", [
+            (vquantile(0.5, "request_time_per_output_token_seconds"), "TPOT p50"),
+            (vquantile(0.95, "request_time_per_output_token_seconds"), "TPOT p95"),
+            (vquantile(0.95, "inter_token_latency_seconds"), "between rounds p95")],
+            "Per request, after the first token; a speculative round delivers several tokens at once."),
+        panel("End-to-end request latency (p50, p95)", "s", [
+            (vquantile(0.5, "e2e_request_latency_seconds"), "p50"),
+            (vquantile(0.95, "e2e_request_latency_seconds"), "p95")],
+            "From arrival at the ingress to the last token."),
+        panel("Requests running and waiting; KV cache usage", "short", [
+            (f"sum({v('num_requests_running')})", "running"),
+            (f"sum({v('num_requests_waiting')})", "waiting (before the first token)"),
+            (f"max({v('kv_cache_usage_perc')})", "KV cache usage (fraction, mean over target replicas)")],
+            "Queue depth and KV pressure under vLLM's names, as KEDA rules and gateways read them."),
         panel("HTTP errors", "reqps", [
             (f"sum by (route, error_code)(rate(ray_serve_num_http_error_requests_total{serve}{RATE}))",
              "{{route}} {{error_code}}")],

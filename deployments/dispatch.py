@@ -27,7 +27,7 @@ from app import telemetry
 from app.chunks import Chunk
 from app.job import GenerationJob
 from deployments.config import AppConfig
-from deployments.metrics import DispatchMetrics
+from deployments.metrics import DispatchMetrics, VLLMMetrics
 from deployments.tp import RankFailure
 
 log = logging.getLogger("ray.serve")
@@ -63,11 +63,12 @@ class Dispatcher:
     A target pool at its queue limit raises Serve's BackPressureError: the caller answers 503.
     """
 
-    def __init__(self, target, cfg: AppConfig, sleep=asyncio.sleep):
+    def __init__(self, target, cfg: AppConfig, vllm: VLLMMetrics, sleep=asyncio.sleep, clock=time.perf_counter):
         self.target, self.cfg = target, cfg
-        self.sleep = sleep  # injected by tests: the retry backoff
+        self.sleep, self.clock = sleep, clock  # injected by tests: the retry backoff, the request timings
         self.active = 0
         self.metrics = DispatchMetrics()
+        self.vllm = vllm  # the /metrics figures under vLLM's names
 
     async def generate(self, job: GenerationJob, trace: dict | None = None) -> AsyncIterator[Chunk]:
         """Stream {token_ids, text, controller} per round, then {finish_reason, usage, speculation} (or {error}).
@@ -81,21 +82,43 @@ class Dispatcher:
         job.trace = telemetry.carrier(span)
         self.active += 1
         self.metrics.set_active(self.active)
-        began, first = time.perf_counter(), None
+        self.vllm.arrived()
+        began = last = self.clock()
+        first, end, resumed_at = None, None, len(job.output_ids)  # a resumed job has output streamed before
         try:
             async for chunk in self._run(job):
-                if first is None and chunk.get("token_ids"):
-                    first = time.perf_counter()
-                    self.metrics.ttft.observe(first - began)
+                if chunk.get("token_ids"):
+                    now = self.clock()
+                    if first is None:
+                        first = now
+                        self.metrics.ttft.observe(first - began)
+                        self.vllm.first_token(first - began)
+                    else:
+                        self.vllm.between_tokens(now - last)
+                    last = now
+                if "finish_reason" in chunk or chunk.get("error"):
+                    end = chunk
                 yield chunk
         finally:
             self.active -= 1
             self.metrics.set_active(self.active)
             if first is not None and len(job.output_ids) > 1:
-                self.metrics.tpot.observe((time.perf_counter() - first) / (len(job.output_ids) - 1))
+                self.metrics.tpot.observe((self.clock() - first) / (len(job.output_ids) - 1))
+            self._finished(job, end, began, first, len(job.output_ids) - resumed_at)
             telemetry.set_attributes(span, {"specserve.completion_tokens": len(job.output_ids)})
             if span is not None:
                 span.end()
+
+    def _finished(self, job: GenerationJob, end: Chunk | None, began: float, first: float | None,
+                  generated: int) -> None:
+        """Report a generation that ended (its last chunk `end`; None: stopped, its client gone)."""
+        reason = "abort" if end is None else "error" if end.get("error") else (
+            "length" if end["finish_reason"] == "length" else "stop")
+        ttft = None if first is None else first - began
+        self.vllm.finished(started=first is not None, reason=reason, prompt_tokens=len(job.prompt_ids),
+                           generated=generated, e2e_s=self.clock() - began, ttft_s=ttft,
+                           prompt_forward_s=(end or {}).get("prompt_forward_s"),
+                           speculation=(end or {}).get("speculation"))
 
     async def _run(self, job: GenerationJob) -> AsyncIterator[Chunk]:
         """The job's chunks from a target replica, resumed on another while replicas fail."""

@@ -38,7 +38,7 @@ from deployments.config import AppConfig
 from deployments.dispatch import Dispatcher
 from deployments.failover import GUARD_HEADER, RESUME_HEADER, read_resume
 from deployments.http_api import APIError, api, invalid, narrow_schema
-from deployments.metrics import VLLMSpecDecodeCounters, totals_actor
+from deployments.metrics import VLLMMetrics, totals_actor
 from deployments.streams import all_or_stop, next_chunk, sse_events, stop_streams
 
 log = logging.getLogger("ray.serve")
@@ -54,7 +54,6 @@ class Ingress:
     through its Dispatcher (placement and failover, deployments/dispatch.py)."""
 
     def __init__(self, target, cfg: AppConfig, tokenizer_path: str, model_name: str, max_context: int):
-        self.dispatch = Dispatcher(target, cfg)
         self.cfg, self.model_name, self.max_context = cfg, model_name, max_context
         self.tokenizer = AutoTokenizer.from_pretrained(tokenizer_path)
         if not getattr(self.tokenizer, "chat_template", None):
@@ -66,8 +65,11 @@ class Ingress:
         self.prepare = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="specserve-prepare")
         default = cfg.speculation.default_num_tokens
         self.default_spec = SpeculationParams(num_tokens=default)
-        totals = totals_actor(serve.get_replica_context().app_name)
-        self.spec_counters = VLLMSpecDecodeCounters(model_name, totals=lambda delta: totals.add.remote(delta))
+        context = serve.get_replica_context()
+        totals = totals_actor(context.app_name)
+        self.vllm_metrics = VLLMMetrics(model_name, totals=lambda *args: totals.add.remote(*args),
+                                        source=context.replica_id.unique_id)
+        self.dispatch = Dispatcher(target, cfg, self.vllm_metrics)
         self.grammars = Grammars(self.tokenizer, len(self.tokenizer))  # tokens' bytes, as llguidance reads them
         # how this model writes tool calls (app/tools.py); None: requests offering tools are refused
         self.tool_parser = PARSERS[cfg.tool_call_parser] if cfg.tool_call_parser else None
@@ -82,8 +84,8 @@ class Ingress:
 
     @api.get("/metrics")
     async def metrics(self):
-        """vLLM's spec-decode counters in Prometheus' text format (deployments/metrics.py)."""
-        return Response(await self.spec_counters.render(), media_type=prometheus_client.CONTENT_TYPE_LATEST)
+        """vLLM's metrics, under vLLM's names, in Prometheus' text format (deployments/metrics.py)."""
+        return Response(await self.vllm_metrics.render(), media_type=prometheus_client.CONTENT_TYPE_LATEST)
 
     @api.get("/v1/models")
     async def models(self, request: Request):
@@ -264,7 +266,7 @@ class Ingress:
                     for job, c in zip(jobs, starts)])
             return StreamingResponse(sse_events(rid, self.model_name, live, firsts, streams, views, deadline,
                                                 self.cfg.limits.request_timeout_s, chat, include_usage, prompt_tokens,
-                                                continuous, self.spec_counters.count, span,
+                                                continuous, span,
                                                 starts if report else None, tools, sent),
                                      media_type="text/event-stream")
         try:
@@ -381,7 +383,6 @@ class Ingress:
             last = await self._next(stream, deadline)
             if last.get("error"):
                 raise APIError.from_chunk(last["error"])
-        self.spec_counters.count(last["speculation"])
         return "".join(texts), last, join_logprobs(logprobs)
 
     async def _next(self, stream, deadline: float) -> Chunk:

@@ -35,7 +35,7 @@ from deployments.config import (
     TargetConfig,
 )
 from deployments.draft_client import DraftClient
-from deployments.metrics import RoundMetrics, ServerMetrics
+from deployments.metrics import GaugeReport, RoundMetrics, ServerMetrics, totals_actor
 from deployments.tp import RankGroup
 
 # measured on 2 CPU cores, demo pair, one stream: 75 -> 105 tok/s speculative, target forward 25 -> 19 ms
@@ -47,6 +47,16 @@ def _replica_id() -> str:
         return serve.get_replica_context().replica_id.unique_id
     except Exception:  # outside Serve (unit tests)
         return "local"
+
+
+def _kv_report(replica_id: str) -> GaugeReport | None:
+    """This target replica's KV usage, reported to its app's metric totals (None outside Serve)."""
+    try:
+        app = serve.get_replica_context().app_name
+    except Exception:  # outside Serve (unit tests)
+        return None
+    totals = totals_actor(app)
+    return GaugeReport(lambda gauges: totals.add.remote({}, gauges, replica_id))
 
 
 def _start(coro):
@@ -171,6 +181,7 @@ class TargetServer(_Server):
         self.batch_ema = 1.0  # verify batch size, smoothed: the load that load-aware K weighs
         self.verify_curve = VerifyCurve(speculation.verify_saturation_tokens)  # forward time by tokens
         self.queue.on_batch = self._on_batch
+        self.kv_report = _kv_report(self.replica_id)  # vllm:kv_cache_usage_perc on the ingress's /metrics
         policy = DraftPolicy.of(speculation)
         if draft is not None:
             self._warming = _start(self._connect(draft))
@@ -196,6 +207,16 @@ class TargetServer(_Server):
         self.batch_ema = 0.8 * self.batch_ema + 0.2 * size
         self.verify_curve.observe(tokens, seconds)
         self.metrics.batch(size, self.cache)
+        self._report_kv()
+
+    def _report_kv(self) -> None:
+        if self.kv_report is not None:
+            cache = self.cache
+            self.kv_report.set(kv_usage=cache.live_bytes / cache.max_bytes if cache.max_bytes else 0.0, kv_replicas=1)
+
+    async def _release(self, seq_id: str) -> None:
+        await super()._release(seq_id)
+        self._report_kv()
 
     def _verify_cost(self) -> list[float]:
         # what K more draft tokens per sequence cost this replica's forwards at its batch, measured
@@ -230,6 +251,7 @@ class TargetServer(_Server):
     async def _release_ranks(self, seq_id: str) -> None:
         await self.ranks.release(seq_id)
         self.metrics.cache(self.cache)
+        self._report_kv()
 
     async def stats(self) -> dict:
         """The base stats, and where this replica's sequences are drafted: {draft replica: sequences}."""

@@ -4,7 +4,6 @@ of a streamed response."""
 
 import asyncio
 import logging
-from collections.abc import Callable
 
 from ray.serve.exceptions import BackPressureError
 
@@ -72,14 +71,14 @@ async def next_chunk(stream, deadline: float, timeout_s: float) -> Chunk:
 
 async def sse_events(rid: str, model_name: str, live: list[int], firsts: list[Chunk], streams: list,
                      views: list[ChoiceView], deadline: float, timeout_s: float, chat: bool, include_usage: bool,
-                     prompt_tokens: int, continuous: bool, count: Callable[[dict], None], span=None,
+                     prompt_tokens: int, continuous: bool, span=None,
                      starts: list[ResumeState] | None = None, tools: Parser | None = None,
                      sent: list[str] | None = None):
     """The generations as one stream of server-sent events, each chunk naming its choice's index;
     with `continuous`, every chunk carries the usage so far. `live`: the choices generated here
     (a resumed stream's finished ones are not), in the order of `streams`. With `starts`, each
     event goes with a report of the state it leaves its choice in (deployments/failover.py).
-    `count` takes each finished choice's speculation figures (the /metrics counters). With `tools`
+    With `tools`
     (the model's tool-call format), text that may begin a call is held back and calls are sent as
     `tool_calls` deltas as they are written; `sent`: for a resumed stream, each choice's text so far
     (app/tools.py, ToolStream)."""
@@ -143,7 +142,6 @@ async def sse_events(rid: str, model_name: str, live: list[int], firsts: list[Ch
                 yield event
             if finish:
                 finals[index] = chunk
-                count(chunk["speculation"])
         else:
             if include_usage:
                 # a resumed stream lacks the figures of choices finished before: those of the rest

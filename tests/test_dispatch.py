@@ -13,6 +13,7 @@ from app.runner import ModelRunner
 from conftest import blend
 from deployments.config import AppConfig
 from deployments.dispatch import Dispatcher
+from deployments.metrics import VLLMMetrics
 
 PROMPT_IDS = list(range(20, 40))
 N = 24
@@ -94,7 +95,8 @@ async def _no_sleep(_):
 
 
 def make_router(pool: TargetPool, retries: int = 3) -> Dispatcher:
-    return Dispatcher(pool, AppConfig.model_validate({"limits": {"target_retries": retries}}), sleep=_no_sleep)
+    return Dispatcher(pool, AppConfig.model_validate({"limits": {"target_retries": retries}}), VLLMMetrics("target"),
+                      sleep=_no_sleep)
 
 
 @pytest.mark.parametrize("sampling", [{}, {"temperature": 0.9, "seed": 11}], ids=["greedy", "seeded"])

@@ -185,7 +185,7 @@ def sse_of(streams, firsts) -> list[str]:
     async def go():
         deadline = asyncio.get_running_loop().time() + 60
         gen = sse_events("cmpl-1", "m", list(range(len(streams))), firsts, streams, views, deadline, 60.0, False,
-                         False, 1, False, lambda spec: None)
+                         False, 1, False)
         return [event async for event in gen]
     return asyncio.run(asyncio.wait_for(go(), 30))
 

@@ -566,7 +566,7 @@ def test_the_projects_schema_refuses_fields_it_does_not_know():
 # --- monitoring -------------------------------------------------------------------------------------------
 
 def test_pod_monitor_selects_every_ray_pod_on_the_metrics_port():
-    (pm,) = [d for d in yaml.safe_load_all((K8S / "monitoring.yaml").read_text()) if d]
+    pm, _ = [d for d in yaml.safe_load_all((K8S / "monitoring.yaml").read_text()) if d]
     assert pm["kind"] == "PodMonitor" and pm["apiVersion"] == "monitoring.coreos.com/v1"
     wanted = pm["spec"]["selector"]["matchLabels"]
     (endpoint,) = pm["spec"]["podMetricsEndpoints"]
@@ -580,6 +580,21 @@ def test_pod_monitor_selects_every_ray_pod_on_the_metrics_port():
     assert {"ray_io_cluster", "ray_io_group"} <= targets  # the dashboard filters and groups by them
 
 
+def test_vllm_names_are_scraped_once_from_the_heads_serve_port():
+    """Every ingress replica serves the app's totals: one pod per cluster (the head, which runs a
+    proxy), on the port each manifest's head container names `serve`."""
+    _, pm = [d for d in yaml.safe_load_all((K8S / "monitoring.yaml").read_text()) if d]
+    assert pm["kind"] == "PodMonitor" and pm["spec"]["selector"]["matchLabels"]["ray.io/node-type"] == "head"
+    (endpoint,) = pm["spec"]["podMetricsEndpoints"]
+    assert endpoint["path"] == "/metrics"
+    for path in MANIFESTS:
+        head = load(path)["spec"]["rayClusterConfig"]["headGroupSpec"]
+        assert pm["spec"]["selector"]["matchLabels"]["app.kubernetes.io/part-of"] == \
+            head["template"]["metadata"]["labels"]["app.kubernetes.io/part-of"]
+        ports = {p["name"]: p["containerPort"] for p in containers(head)[0]["ports"]}
+        assert ports.get(endpoint["port"]) == 8000, path.name
+
+
 def test_grafana_dashboard_uses_the_exported_metric_names():
     board = json.loads((K8S / "grafana-dashboard.json").read_text())
     exprs = [t["expr"] for p in board["panels"] for t in p["targets"]]
@@ -589,8 +604,13 @@ def test_grafana_dashboard_uses_the_exported_metric_names():
     bases = {re.sub(r"_(total|bucket|sum|count)$", "", n) for n in used}
     assert bases == {f"ray_specserve_{n}" for n in gen.COUNTERS + gen.HISTOGRAMS + gen.GAUGES}
     assert any("ray_serve_deployment_replica_healthy" in e for e in exprs)
+    vllm = {re.sub(r"_(bucket|sum|count)$", "", n) for n in re.findall(r"\bvllm:(\w+)", " ".join(exprs))}
+    assert vllm == set(gen.VLLM_HISTOGRAMS + gen.VLLM_GAUGES)
+    from deployments.metrics import VLLM_HISTOGRAMS
+    assert set(gen.VLLM_HISTOGRAMS) <= set(VLLM_HISTOGRAMS)  # names /metrics serves
     for e in exprs:
         assert e.count("(") == e.count(")") and e.count("{") == e.count("}"), e
     titles = " ".join(p["title"].lower() for p in board["panels"])
-    for topic in ("acceptance", "tokens per second", "draft", "verify", "batch", "replicas"):
+    for topic in ("acceptance", "tokens per second", "draft", "verify", "batch", "replicas", "time to first token",
+                  "time per output token", "end-to-end", "waiting", "kv cache usage"):
         assert topic in titles

@@ -225,3 +225,58 @@ def test_vllm_counters_are_the_apps_whichever_ingress_replica_answers(app):
     assert got.get(name) == want
     scrapes = [vllm_totals(app) for _ in range(10)]
     assert all(s == got for s in scrapes)
+
+
+def vllm_families(app: str) -> dict:
+    """/metrics as vLLM's families: name -> (type, {(label pairs): value} of its samples)."""
+    out = {}
+    for family in text_string_to_metric_families(httpx.get(f"{app}/metrics", timeout=30).text):
+        if family.name.startswith("vllm:"):
+            out[family.name] = (family.type, {(s.name, tuple(sorted(s.labels.items()))): s.value
+                                              for s in family.samples})
+    return out
+
+
+def test_vllms_serving_metrics_sum_the_apps_responses(app):
+    """After known traffic through two ingress replicas, /metrics has vLLM's serving series under its
+    names, types and labels, and their counts grow by what the responses say."""
+    model = (("model_name", "target"),)
+
+    def value(families, name, sample, **labels):
+        return families[name][1].get((sample, tuple(sorted({**dict(model), **labels}.items()))), 0.0)
+
+    before = vllm_families(app)
+    types = {"vllm:prompt_tokens": "counter", "vllm:generation_tokens": "counter", "vllm:request_success": "counter",
+             "vllm:num_requests_running": "gauge", "vllm:num_requests_waiting": "gauge",
+             "vllm:kv_cache_usage_perc": "gauge", "vllm:time_to_first_token_seconds": "histogram",
+             "vllm:inter_token_latency_seconds": "histogram", "vllm:e2e_request_latency_seconds": "histogram",
+             "vllm:request_queue_time_seconds": "histogram",
+             "vllm:request_time_per_output_token_seconds": "histogram"}
+    assert {n: before[n][0] for n in types} == types
+    bodies = [complete(app, p, max_tokens=6 + i) for i, p in enumerate(PROMPTS * 2)]
+    usage = [b["usage"] for b in bodies]
+    want = {("vllm:prompt_tokens", "vllm:prompt_tokens_total"): sum(u["prompt_tokens"] for u in usage),
+            ("vllm:generation_tokens", "vllm:generation_tokens_total"): sum(u["completion_tokens"] for u in usage)}
+    for name in ("time_to_first_token_seconds", "e2e_request_latency_seconds", "request_queue_time_seconds",
+                 "request_time_per_output_token_seconds"):
+        want[(f"vllm:{name}", f"vllm:{name}_count")] = len(bodies)
+    deadline, grew = time.monotonic() + 30, {}
+    while time.monotonic() < deadline:  # each replica flushes within a second
+        after = vllm_families(app)
+        grew = {key: value(after, *key) - value(before, *key) for key in want}
+        length = value(after, "vllm:request_success", "vllm:request_success_total", finished_reason="length") \
+            - value(before, "vllm:request_success", "vllm:request_success_total", finished_reason="length")
+        if grew == want and length == len(bodies):
+            break
+        time.sleep(0.5)
+    assert grew == want and length == len(bodies)
+    # every generation waited, then ran, then ended: no request is left counted in either gauge
+    assert value(after, "vllm:num_requests_running", "vllm:num_requests_running") == 0
+    assert value(after, "vllm:num_requests_waiting", "vllm:num_requests_waiting") == 0
+    assert 0.0 <= value(after, "vllm:kv_cache_usage_perc", "vllm:kv_cache_usage_perc") <= 1.0
+    # an inter-token observation per round after the first token: at least one per request here
+    itl = "vllm:inter_token_latency_seconds"
+    assert value(after, itl, f"{itl}_count") - value(before, itl, f"{itl}_count") >= len(bodies)
+    ttft = "vllm:time_to_first_token_seconds"
+    assert value(after, ttft, f"{ttft}_bucket", le="+Inf") == value(after, ttft, f"{ttft}_count")
+    assert {dict(k[1]).get("le") for k in after[ttft][1] if k[0] == f"{ttft}_bucket"} >= {"0.001", "2560.0", "+Inf"}

@@ -176,9 +176,9 @@ def test_speculation_of_several_choices_weights_by_rounds():
 
 def test_vllm_spec_decode_counters_read_as_vllms_client_reads_them():
     """`vllm bench serve` sums lines starting `vllm:spec_decode` whose name ends in `_total`."""
-    from deployments.metrics import VLLMSpecDecodeCounters
+    from deployments.metrics import VLLMMetrics
 
-    counters = VLLMSpecDecodeCounters("target")
+    counters = VLLMMetrics("target")
     counters.count({"drafted_rounds": 3, "drafted_tokens": 12, "accepted_tokens": 7, "accepted_per_position": [3, 3, 1]})
     counters.count({"drafted_rounds": 1, "drafted_tokens": 4, "accepted_tokens": 4, "accepted_per_position": [1] * 4})
     totals, per_pos = {}, {}
@@ -197,17 +197,17 @@ def test_vllm_spec_decode_counters_read_as_vllms_client_reads_them():
 def test_every_ingress_replica_serves_the_same_spec_decode_totals():
     """Two replicas' counters over one totals store (in the app, a Ray actor): a scrape of either shows
     the sum of both, whichever one answers; with the store gone a replica shows its own counts."""
-    from deployments.metrics import SpecDecodeTotals, VLLMSpecDecodeCounters
+    from deployments.metrics import MetricTotals, VLLMMetrics
 
-    store = SpecDecodeTotals()
+    store = MetricTotals()
 
-    async def add(delta):
-        return store.add(delta)
+    async def add(delta, gauges=None, source=None):
+        return store.add(delta, gauges, source)
 
     def scrape(counters) -> str:
         return asyncio.run(counters.render()).decode()
 
-    a, b = (VLLMSpecDecodeCounters("target", totals=add, flush_s=3600) for _ in range(2))
+    a, b = (VLLMMetrics("target", totals=add, flush_s=3600) for _ in range(2))
     a.count({"drafted_rounds": 3, "drafted_tokens": 12, "accepted_tokens": 7, "accepted_per_position": [3, 3, 1]})
     b.count({"drafted_rounds": 1, "drafted_tokens": 4, "accepted_tokens": 4, "accepted_per_position": [1] * 4})
     asyncio.run(b.flush())
@@ -215,9 +215,9 @@ def test_every_ingress_replica_serves_the_same_spec_decode_totals():
     assert 'vllm:spec_decode_num_drafts_total{model_name="target"} 4.0' in first
     assert scrape(b) == scrape(a) == first  # the same totals, whichever replica answers
 
-    async def gone(delta):
+    async def gone(delta, gauges=None, source=None):
         raise ConnectionError("the totals actor is gone")
-    c = VLLMSpecDecodeCounters("target", totals=gone, flush_s=3600)
+    c = VLLMMetrics("target", totals=gone, flush_s=3600)
     c.count({"drafted_rounds": 2, "drafted_tokens": 2, "accepted_tokens": 1, "accepted_per_position": [1]})
     assert 'vllm:spec_decode_num_drafts_total{model_name="target"} 2.0' in scrape(c)
     assert c.pending["drafts"] == 2  # kept for when the store is back

@@ -63,7 +63,7 @@ def tool_stream_events(tok, parser, ids: list[int], start) -> list[str]:
         deadline = asyncio.get_running_loop().time() + 60
         gen = sse_events("chatcmpl-1", "m", [0], chunks[:1], [Chunks(chunks[1:])],
                          [ChoiceView(tok, chat=True, logprobs=False)], deadline, 60.0, True, False, 1, False,
-                         lambda spec: None, starts=[start], tools=parser, sent=[sent])
+                         starts=[start], tools=parser, sent=[sent])
         return [message async for message in gen]
     return asyncio.run(asyncio.wait_for(go(), 30))
 
