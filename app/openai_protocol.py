@@ -322,30 +322,77 @@ def iterates_content(template: str) -> bool:
     return any(is_content(loop.iter) for loop in tree.find_all(jinja2.nodes.For))
 
 
-def chat_prompt_ids(tokenizer, messages: list[ChatMessage], add_generation_prompt: bool = True,
-                    continue_final_message: bool = False, add_special_tokens: bool = False,
+MAX_CHAT_TEMPLATE = 1 << 16  # characters of a chat template a request may bring
+MAX_TEMPLATE_KWARGS = 64  # variables a request may pass to the chat template
+# names apply_chat_template takes as its own parameters, and the ones the server gives the template:
+# a request's template variables may not take them
+RESERVED_TEMPLATE_KWARGS = frozenset({
+    "conversation", "messages", "tools", "documents", "chat_template", "add_generation_prompt",
+    "continue_final_message", "tokenize", "sanitize_control_tokens", "padding", "truncation", "max_length",
+    "return_tensors", "return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs"})
+
+
+class TemplateControls(BaseModel):
+    """How a chat goes through the chat template: vLLM's request fields for it."""
+
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+
+    add_generation_prompt: bool = Field(True, description="End with the assistant's turn opened.")
+    continue_final_message: bool = Field(
+        False, description="Leave the last message open, so the output continues it (an assistant's prefill); "
+        "needs add_generation_prompt: false.")
+    add_special_tokens: bool = Field(False, description="The tokenizer's special tokens (a BOS) on top of what the "
+                                                        "template writes.")
+    chat_template: str | None = Field(
+        None, max_length=MAX_CHAT_TEMPLATE, description="A Jinja chat template for this request instead of the "
+        "model's; refused unless the server trusts request templates (args.trust_request_chat_template).")
+    chat_template_kwargs: dict[str, object] | None = Field(
+        None, max_length=MAX_TEMPLATE_KWARGS, description="Extra variables for the template, e.g. "
+        '{"enable_thinking": false} for templates that read it.')
+
+    @model_validator(mode="after")
+    def _one_ending(self):
+        if self.add_generation_prompt and self.continue_final_message:
+            raise ValueError("add_generation_prompt and continue_final_message cannot both be true")
+        return self
+
+    @field_validator("chat_template_kwargs")
+    @classmethod
+    def _not_reserved(cls, v):
+        taken = sorted(set(v or ()) & RESERVED_TEMPLATE_KWARGS)
+        if taken:
+            raise ValueError(f"chat_template_kwargs may not set {', '.join(taken)} (a request field or the server's)")
+        return v
+
+
+def chat_prompt_ids(tokenizer, messages: list[ChatMessage], controls: TemplateControls | None = None,
                     tools: list[dict] | None = None) -> list[int]:
-    """The conversation through the tokenizer's chat template, as token ids (ending with the
-    assistant's turn opened, or with the last message left open to be continued; with the
-    tokenizer's special tokens on top of what the template writes, when asked).
+    """The conversation through the chat template (the request's own, when it brings one and the
+    caller allowed it, else the tokenizer's), as token ids: ending with the assistant's turn opened,
+    or with the last message left open to be continued; with the tokenizer's special tokens on top
+    of what the template writes, when asked.
 
     A template that refuses the conversation (Gemma's "System role not supported", Mistral's strict
     user/assistant alternation) raises from inside the template: that is the request's fault, a 400
     naming the template's reason, never a 500.
     """
+    controls = controls or TemplateControls()
+    template = controls.chat_template or tokenizer.chat_template
     try:
-        parts = isinstance(tokenizer.chat_template, str) and iterates_content(tokenizer.chat_template)
-        out = tokenizer.apply_chat_template([m.for_template(parts) for m in messages], tokenize=not add_special_tokens,
-                                            add_generation_prompt=add_generation_prompt,
-                                            continue_final_message=continue_final_message, tools=tools)
+        parts = isinstance(template, str) and iterates_content(template)
+        out = tokenizer.apply_chat_template([m.for_template(parts) for m in messages],
+                                            tokenize=not controls.add_special_tokens, chat_template=template,
+                                            add_generation_prompt=controls.add_generation_prompt,
+                                            continue_final_message=controls.continue_final_message, tools=tools,
+                                            **(controls.chat_template_kwargs or {}))
     except (jinja2.TemplateError, ValueError, TypeError) as e:
-        raise InvalidRequestError(f"the model's chat template rejects these messages: {e}", param="messages") from None
-    if add_special_tokens:
+        raise InvalidRequestError(f"the chat template rejects these messages: {e}", param="messages") from None
+    if controls.add_special_tokens:
         return list(tokenizer(out, add_special_tokens=True)["input_ids"])
     return list(out["input_ids"] if isinstance(out, dict) or hasattr(out, "keys") else out)
 
 
-class ChatCompletionRequest(_Common):
+class ChatCompletionRequest(_Common, TemplateControls):
     """POST /v1/chat/completions."""
 
     messages: list[ChatMessage] = Field(min_length=1, description="The conversation so far.")

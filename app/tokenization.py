@@ -1,10 +1,10 @@
 """POST /tokenize and /detokenize, with vLLM's request and response shapes: a prompt's or a chat's
 token ids as the server would generate from them, and token ids back to text."""
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field
 
 from app.errors import InvalidRequestError
-from app.openai_protocol import ChatMessage, chat_prompt_ids
+from app.openai_protocol import ChatMessage, TemplateControls, chat_prompt_ids
 from app.params import MAX_TOKEN_ID
 from app.tools import MAX_TOOLS, Tool
 
@@ -20,23 +20,15 @@ class TokenizeCompletionRequest(BaseModel):
     return_token_strs: bool = Field(False, description="Also return each token's string.")
 
 
-class TokenizeChatRequest(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+class TokenizeChatRequest(TemplateControls):
+    """A chat's ids: the template controls (chat_template, chat_template_kwargs, add_generation_prompt,
+    continue_final_message, add_special_tokens) as a chat completion takes them."""
 
     model: str | None = Field(None, description="The served model (optional).")
     messages: list[ChatMessage] = Field(min_length=1, description="The conversation, through the chat template.")
-    add_generation_prompt: bool = Field(True, description="End with the assistant's turn opened.")
-    continue_final_message: bool = Field(False, description="Leave the last message open (to be continued).")
-    add_special_tokens: bool = Field(False, description="Special tokens on top of what the template adds.")
     return_token_strs: bool = Field(False, description="Also return each token's string.")
     tools: list[Tool] | None = Field(None, max_length=MAX_TOOLS, description="Tools offered, rendered by the "
                                                                              "template as a chat completion's are.")
-
-    @model_validator(mode="after")
-    def _one_ending(self):
-        if self.add_generation_prompt and self.continue_final_message:
-            raise ValueError("add_generation_prompt and continue_final_message cannot both be true")
-        return self
 
 
 class DetokenizeRequest(BaseModel):
@@ -50,8 +42,7 @@ def tokenize(tokenizer, body: TokenizeCompletionRequest | TokenizeChatRequest, m
     """{count, max_model_len, tokens, token_strs}: what the server generates from for this prompt or chat."""
     if isinstance(body, TokenizeChatRequest):
         tools = [t.model_dump(exclude_none=True) for t in body.tools] if body.tools else None
-        ids = chat_prompt_ids(tokenizer, body.messages, body.add_generation_prompt, body.continue_final_message,
-                              body.add_special_tokens, tools=tools)
+        ids = chat_prompt_ids(tokenizer, body.messages, body, tools=tools)
     else:
         ids = tokenizer(body.prompt, add_special_tokens=body.add_special_tokens)["input_ids"]
     strs = tokenizer.convert_ids_to_tokens(ids) if body.return_token_strs else None

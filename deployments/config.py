@@ -1,8 +1,9 @@
 """Typed `args` of build_app: the application section of the Serve config."""
 
+from pathlib import Path
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from app.config import ModelSettings, SpeculationSettings
 
@@ -80,9 +81,41 @@ class AppConfig(BaseModel):
     tool_call_parser: Literal["hermes", "llama3_json", "mistral"] | None = Field(
         None, description="How the target writes tool calls (app/tools.py): hermes (Hermes, Qwen 2.5), llama3_json "
         "(Llama 3.1-3.3) or mistral; None refuses chat requests that offer tools.")
+    chat_template: str | None = Field(
+        None, description="The chat template to serve with, instead of the tokenizer's (for a checkpoint whose "
+        "template is missing or wrong): a Jinja template, or the path of a file holding one.")
+    trust_request_chat_template: bool = Field(
+        False, description="Whether a request may bring its own chat_template. A template is code the ingress "
+        "runs (sandboxed, but a template can loop for as long as it likes): trust only your own clients.")
     speculation: SpeculationConfig = Field(default_factory=SpeculationConfig, description="Speculation defaults.")
     draft_batch: BatchConfig = Field(default_factory=BatchConfig, description="DraftServer batching.")
     target_batch: TargetBatchConfig = Field(
         default_factory=lambda: TargetBatchConfig(max_batch_size=32), description="TargetServer batching.")
     limits: LimitsConfig = Field(default_factory=LimitsConfig, description="Request limits.")
     api_key_env: str = Field("SPECSERVE_API_KEY", description="Environment variable holding the API key, if any.")
+
+    @field_validator("chat_template")
+    @classmethod
+    def _template_readable(cls, v):
+        if v is not None:
+            chat_template_text(v)
+        return v
+
+
+def chat_template_text(value: str) -> str:
+    """A configured chat template: the template itself, or read from the file it names; its Jinja
+    syntax checked (a broken template is the config's error, not every chat request's)."""
+    import jinja2
+
+    if "{{" in value or "{%" in value:
+        text = value
+    else:
+        path = Path(value).expanduser()
+        if not path.is_file():
+            raise ValueError(f"chat_template is neither a Jinja template nor a readable file: {value!r}")
+        text = path.read_text()
+    try:
+        jinja2.Environment().parse(text)
+    except jinja2.TemplateSyntaxError as e:
+        raise ValueError(f"chat_template is not a valid Jinja template: {e}") from None
+    return text

@@ -47,6 +47,13 @@ RETRY_AFTER_S = 1
 MAX_BODY_BYTES = LimitsConfig.model_fields["max_body_bytes"].default
 BODY_IDLE_TIMEOUT_S = 15.0  # longest wait for the next piece of a body
 BODY_TIMEOUT_S = 60.0  # longest time to receive a whole body
+# After refusing a body too large, the rest of it is read and discarded, up to these bounds, before
+# the answer: a client that sends its whole body before reading (http.client, requests, httpx, the
+# OpenAI SDK) then reads the 413. Closing with unread bytes resets the connection, and the client
+# sees a broken pipe instead (the SDK retries those, uploading the body again). nginx's "lingering
+# close" does the same for the same reason.
+DRAIN_BYTES = 64 << 20
+DRAIN_S = 10.0
 
 
 class Resume(BaseModel):
@@ -170,24 +177,31 @@ class FailoverMiddleware:
 
     def __init__(self, app, retries: int = 18, backoff_s: float = 0.25, max_backoff_s: float = 2.0,
                  sleep=asyncio.sleep, max_body_bytes: int | None = None, idle_timeout_s: float = BODY_IDLE_TIMEOUT_S,
-                 body_timeout_s: float = BODY_TIMEOUT_S):
+                 body_timeout_s: float = BODY_TIMEOUT_S, drain: tuple[int, float] = (DRAIN_BYTES, DRAIN_S)):
         self.app, self.retries, self.sleep = app, retries, sleep
         self.backoff_s, self.max_backoff_s = backoff_s, max_backoff_s
         self.max_body_bytes = max_body_bytes or int(os.environ.get("SPECSERVE_PROXY_MAX_BODY_BYTES") or MAX_BODY_BYTES)
         self.idle_timeout_s, self.body_timeout_s = idle_timeout_s, body_timeout_s
+        self.drain = drain  # (bytes, seconds): how much of a refused body is read and discarded, at most
 
     async def __call__(self, scope, receive, send):
-        if scope["type"] != "http" or scope["method"] != "POST" or scope["path"] not in GENERATION_PATHS:
+        """Every POST's body is read here within the limits (so every route refuses alike, and
+        readably); generation requests are then retried on another ingress replica when theirs fails."""
+        if scope["type"] != "http" or scope["method"] != "POST":
             return await self.app(scope, receive, send)
         try:
             body = await _read_body(scope, receive, self.max_body_bytes, self.idle_timeout_s, self.body_timeout_s)
         except _ClientGone:
             return
         except _Refused as e:
+            if e.status == 413 and e.unread is not None:
+                await _drain(receive, e.unread, *self.drain)
             for m in e.messages():
                 await send(m)
             return
         client = {"gone": False}
+        if scope["path"] not in GENERATION_PATHS:
+            return await self.app(scope, _replay(body, receive, client), send)
         headers = [(k, v) for k, v in scope["headers"] if not k.startswith(b"x-specserve-")]
         headers.append((GUARD_HEADER, b"1"))
         started, state, why = False, None, "the ingress replica stopped"
@@ -221,11 +235,13 @@ class _ClientGone(Exception):
 
 
 class _Refused(Exception):
-    """A body the proxy will not read on: answered with `status` and OpenAI's body."""
+    """A body the proxy will not read on: answered with `status` and OpenAI's body. `unread`: whether
+    the client may still be sending it (True), or holds it back until it hears from us (None: it
+    asked `Expect: 100-continue` and nothing was read, so the answer goes before any body)."""
 
-    def __init__(self, status: int, message: str, type_: str):
+    def __init__(self, status: int, message: str, type_: str, unread: bool | None = True):
         super().__init__(message)
-        self.status, self.type = status, type_
+        self.status, self.type, self.unread = status, type_, unread
 
     def messages(self) -> list[dict]:
         body = json.dumps(error_body(str(self), self.type, code=self.status)).encode()
@@ -239,8 +255,11 @@ async def _read_body(scope, receive, limit: int, idle_timeout_s: float, timeout_
     """The whole request body, read within `limit` bytes and the timeouts (a declared length over
     the limit is refused before reading); raises _Refused or _ClientGone."""
     too_large = _Refused(413, f"request body over {limit} bytes", "invalid_request_error")
-    declared = dict(scope["headers"]).get(b"content-length", b"")
+    headers = dict(scope["headers"])
+    declared = headers.get(b"content-length", b"")
     if declared.isdigit() and int(declared) > limit:
+        if headers.get(b"expect", b"").lower() == b"100-continue":
+            too_large.unread = None  # answered before the client sends (reading would ask it to)
         raise too_large
     loop = asyncio.get_running_loop()
     deadline, parts, size = loop.time() + timeout_s, [], 0
@@ -256,10 +275,27 @@ async def _read_body(scope, receive, limit: int, idle_timeout_s: float, timeout_
         part = message.get("body", b"")
         size += len(part)
         if size > limit:
+            too_large.unread = message.get("more_body", False)
             raise too_large
         parts.append(part)
         if not message.get("more_body", False):
             return b"".join(parts)
+
+
+async def _drain(receive, unread: bool, max_bytes: int, max_s: float) -> None:
+    """Read and discard what is left of a refused body, within `max_bytes` and `max_s`; whatever
+    is left past them is the client's loss (the connection closes on it)."""
+    loop = asyncio.get_running_loop()
+    deadline, size = loop.time() + max_s, 0
+    while unread and size <= max_bytes:
+        try:
+            message = await asyncio.wait_for(receive(), max(deadline - loop.time(), 0.001))
+        except asyncio.TimeoutError:
+            return
+        if message["type"] == "http.disconnect":
+            return
+        size += len(message.get("body", b""))
+        unread = message.get("more_body", False)
 
 
 def _replay(body: bytes, receive, client: dict):

@@ -8,8 +8,10 @@ import asyncio
 import concurrent.futures
 import hashlib
 import hmac
+import importlib.metadata
 import logging
 import os
+import time
 import uuid
 
 import prometheus_client
@@ -34,7 +36,7 @@ from app.request import streamed_text
 from app.tokenization import (DetokenizeRequest, TokenizeChatRequest, TokenizeCompletionRequest, detokenize,
                               tokenize)
 from app.tools import PARSERS, enforced_tools, special_markers
-from deployments.config import AppConfig
+from deployments.config import AppConfig, chat_template_text
 from deployments.dispatch import Dispatcher
 from deployments.failover import GUARD_HEADER, RESUME_HEADER, read_resume
 from deployments.http_api import APIError, api, invalid, narrow_schema
@@ -56,8 +58,11 @@ class Ingress:
     def __init__(self, target, cfg: AppConfig, tokenizer_path: str, model_name: str, max_context: int):
         self.cfg, self.model_name, self.max_context = cfg, model_name, max_context
         self.tokenizer = AutoTokenizer.from_pretrained(tokenizer_path)
-        if not getattr(self.tokenizer, "chat_template", None):
+        if cfg.chat_template:  # the operator's, for a checkpoint whose own is missing or wrong
+            self.tokenizer.chat_template = chat_template_text(cfg.chat_template)
+        elif not getattr(self.tokenizer, "chat_template", None):
             self.tokenizer.chat_template = DEFAULT_CHAT_TEMPLATE
+        self.created = int(time.time())  # /v1/models' `created`: when this server started
         # secrets from the environment, never the config: one key, or several separated by commas
         self.api_keys = [k.strip().encode() for k in (os.environ.get(cfg.api_key_env) or "").split(",") if k.strip()]
         # tokenizing, chat templates and grammar checks run here, off the event loop that streams every
@@ -90,7 +95,14 @@ class Ingress:
     @api.get("/v1/models")
     async def models(self, request: Request):
         self._authorize(request)
-        return {"object": "list", "data": [{"id": self.model_name, "object": "model", "owned_by": "specserve"}]}
+        return {"object": "list", "data": [{"id": self.model_name, "object": "model", "created": self.created,
+                                            "owned_by": "specserve", "root": self.model_name, "parent": None,
+                                            "max_model_len": self.max_context}]}
+
+    @api.get("/version")
+    async def version(self):
+        """The server's version, as vLLM's /version gives its own."""
+        return {"version": importlib.metadata.version("specserve")}
 
     @api.post("/v1/completions")
     async def completions(self, request: Request):
@@ -107,6 +119,8 @@ class Ingress:
         body = await self._parse(request, lambda data: TokenizeChatRequest if "messages" in data
                                  else TokenizeCompletionRequest)
         self._check_model(body.model)
+        if isinstance(body, TokenizeChatRequest):
+            self._check_template(body)
         return await self._prepared(tokenize, self.tokenizer, body, self.max_context)
 
     @api.post("/detokenize")
@@ -123,6 +137,12 @@ class Ingress:
             return await asyncio.get_running_loop().run_in_executor(self.prepare, fn, *args)
         except InvalidRequestError as e:
             raise APIError(400, str(e), "invalid_request_error", e.param) from None
+
+    def _check_template(self, body) -> None:
+        """A request's own chat template runs only where the operator trusts request templates."""
+        if body.chat_template is not None and not self.cfg.trust_request_chat_template:
+            raise APIError(400, "this server does not run chat templates sent with requests (the operator can "
+                           "allow them: args.trust_request_chat_template)", "invalid_request_error", "chat_template")
 
     def _check_model(self, model: str | None) -> None:
         if model is not None and model != self.model_name:
@@ -175,8 +195,9 @@ class Ingress:
             if body.calling() and self.tool_parser is None:
                 raise APIError(400, "this server reads no tool calls: serve it with args.tool_call_parser "
                                f"({', '.join(PARSERS)})", "invalid_request_error", "tools")
+            self._check_template(body)
             try:
-                return [chat_prompt_ids(self.tokenizer, body.messages, tools=body.tool_dicts())]
+                return [chat_prompt_ids(self.tokenizer, body.messages, body, tools=body.tool_dicts())]
             except InvalidRequestError as e:
                 raise APIError(400, str(e), "invalid_request_error", e.param) from None
         prompts, vocab = body.prompts(), len(self.tokenizer)

@@ -9,7 +9,7 @@ import torch
 
 from app.engine import Engine
 from app.errors import InvalidRequestError
-from app.openai_protocol import ChatCompletionRequest, chat_prompt_ids, default_max_tokens
+from app.openai_protocol import ChatCompletionRequest, TemplateControls, chat_prompt_ids, default_max_tokens
 from app.params import SamplingParams
 from app.request import DETOKENIZE_CONTEXT, RequestState
 from app.runner import ModelRunner, eos_ids
@@ -186,8 +186,8 @@ def test_a_template_that_iterates_the_parts_gets_them_and_a_string_template_gets
     tok.chat_template = parts_template
     parts = chat(messages=[{"role": "user", "content": [{"type": "text", "text": "hello"},
                                                         {"type": "text", "text": "world"}]}])
-    assert tok.decode(chat_prompt_ids(tok, parts.messages, add_generation_prompt=False)) == "user:[hello][world]"  # trim_blocks eats the newline
+    assert tok.decode(chat_prompt_ids(tok, parts.messages, TemplateControls(add_generation_prompt=False))) == "user:[hello][world]"  # trim_blocks eats the newline
     plain = chat(messages=[{"role": "user", "content": "hi"}])  # a string is one part for such a template
-    assert tok.decode(chat_prompt_ids(tok, plain.messages, add_generation_prompt=False)) == "user:[hi]"
+    assert tok.decode(chat_prompt_ids(tok, plain.messages, TemplateControls(add_generation_prompt=False))) == "user:[hi]"
     tok.chat_template = string_template
-    assert tok.decode(chat_prompt_ids(tok, parts.messages, add_generation_prompt=False)) == "user: hello\nworld\n"
+    assert tok.decode(chat_prompt_ids(tok, parts.messages, TemplateControls(add_generation_prompt=False))) == "user: hello\nworld\n"

@@ -106,7 +106,8 @@ class Inner:
         await send({"type": "http.response.body", "body": b"{}", "more_body": False})
 
 
-def through_middleware(chunks, headers=(), limit=1000, idle=5.0, total=60.0):
+def through_middleware(chunks, headers=(), limit=1000, idle=5.0, total=60.0, path="/v1/completions",
+                       drain=(1 << 20, 10.0)):
     """Send a body in `chunks` (None: the client pauses for good) through the middleware: (status,
     error body or None, the inner app, chunks the middleware read)."""
     inner, sent, read = Inner(), [], []
@@ -125,24 +126,44 @@ def through_middleware(chunks, headers=(), limit=1000, idle=5.0, total=60.0):
 
         async def send(message):
             sent.append(message)
-        scope = {"type": "http", "method": "POST", "path": "/v1/completions", "headers": list(headers)}
-        await FailoverMiddleware(inner, max_body_bytes=limit, idle_timeout_s=idle, body_timeout_s=total)(
-            scope, receive, send)
+        scope = {"type": "http", "method": "POST", "path": path, "headers": list(headers)}
+        await FailoverMiddleware(inner, max_body_bytes=limit, idle_timeout_s=idle, body_timeout_s=total,
+                                 drain=drain)(scope, receive, send)
     asyncio.run(go())
     status = sent[0]["status"]
     body = b"".join(m.get("body", b"") for m in sent if m["type"] == "http.response.body")
     return status, json.loads(body).get("error"), inner, read
 
 
-def test_a_body_over_the_limit_is_refused_without_reading_it_all():
+def test_a_body_over_the_limit_is_refused_after_the_rest_is_read_and_discarded():
+    """A client that sends its whole body before reading (http.client, requests, httpx) reads the 413
+    only if the connection is not closed on its unread bytes: the rest is read, and dropped."""
     status, error, inner, read = through_middleware([b"x" * 600] * 100)
     assert status == 413 and error["type"] == "invalid_request_error" and inner.calls == 0
-    assert len(read) == 2  # it stopped at the chunk that crossed the limit
+    assert len(read) == 100  # all of it, and none kept: the inner app never saw it
 
 
-def test_a_declared_length_over_the_limit_is_refused_before_any_read():
-    status, _, inner, read = through_middleware([b"{}"], headers=[(b"content-length", b"10000000000")])
+def test_draining_a_refused_body_stops_at_its_bound():
+    status, _, _, read = through_middleware([b"x" * 600] * 100, drain=(3000, 10.0))
+    assert status == 413 and len(read) == 2 + 6  # to the chunk past the limit, then past 3000 bytes more
+    status, _, _, read = through_middleware([b"x" * 600] * 3 + [None], drain=(1 << 20, 0.05))
+    assert status == 413 and len(read) == 3  # a sender that stalls is answered when the drain's time is up
+
+
+def test_a_declared_length_over_the_limit_is_refused_before_any_read_when_the_client_waits_for_it():
+    """`Expect: 100-continue`: the client sends nothing until told to, so the 413 goes first."""
+    status, _, inner, read = through_middleware([b"{}"], headers=[(b"content-length", b"10000000000"),
+                                                                  (b"expect", b"100-continue")])
     assert status == 413 and inner.calls == 0 and read == []
+    status, _, inner, read = through_middleware([b"{}"], headers=[(b"content-length", b"10000000000")])
+    assert status == 413 and inner.calls == 0 and read == [b"{}"]  # sent anyway: read, then answered
+
+
+def test_every_post_route_reads_its_body_within_the_limit():
+    status, _, inner, _ = through_middleware([b"x" * 600] * 3, path="/tokenize")
+    assert status == 413 and inner.calls == 0
+    status, _, inner, _ = through_middleware([b'{"prompt":', b' "x"}'], path="/tokenize")
+    assert status == 200 and inner.calls == 1
 
 
 def test_a_sender_that_stalls_gets_408():

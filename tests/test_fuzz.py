@@ -1,14 +1,18 @@
 """Bad input at scale: schemathesis generates request bodies from the OpenAPI schema the server
 publishes, valid ones and ones that break it, and sends them to a live app. Every answer must be a
-success or an error in OpenAI's body with a 4xx status: never a 5xx, never another shape.
+success or an error in OpenAI's body with a 4xx status: never a 5xx, never another shape. The app
+serves an operator's chat template (one that reads a request's template variable), so the fuzzed
+template controls reach a template; the template controls themselves are tested here too.
 
 `make fuzz` runs 1000 cases per endpoint and mode; the suite runs FUZZ_CASES (default 60).
 """
 
 import collections
+import importlib.metadata
 import json
 import os
 
+import httpx
 import pytest
 import schemathesis
 from hypothesis import HealthCheck, given, settings
@@ -19,13 +23,16 @@ pytestmark = pytest.mark.slow
 CASES = int(os.environ.get("FUZZ_CASES", "60"))
 OPERATIONS = [("/v1/completions", "POST"), ("/v1/chat/completions", "POST")]
 ERROR_KEYS = {"message", "type", "param", "code"}
+# the operator's template (args.chat_template): it reads a variable requests may pass
+TEMPLATE = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+            "{% if add_generation_prompt %}assistant:{% if brief is defined and brief %} (briefly){% endif %} {% endif %}")
 
 
 @pytest.fixture(scope="module")
 def app(tmp_path_factory):
     pair = save_tiny_pair(tmp_path_factory.mktemp("pair"))
     # a small max_tokens cap keeps a thousand valid generations short
-    with running_app(*pair, args={"limits": {"max_tokens_cap": 8}}, compiled=False) as url:
+    with running_app(*pair, args={"limits": {"max_tokens_cap": 8}, "chat_template": TEMPLATE}, compiled=False) as url:
         yield url
 
 
@@ -76,3 +83,36 @@ def answered(response) -> bool:
         if "choices" not in event:
             return False
     return True
+
+
+def test_template_controls_through_http(app):
+    """The operator's template serves; a request's chat_template_kwargs reach it, continue_final_message
+    continues the assistant's text (the same tokens as completing the rendered prompt), and a request's
+    own template is refused where the operator does not trust them."""
+    chat = {"model": "target", "messages": [{"role": "user", "content": "hi"}]}
+    brief = httpx.post(f"{app}/tokenize", json={**chat, "chat_template_kwargs": {"brief": True}}, timeout=60).json()
+    plain = httpx.post(f"{app}/tokenize", json=chat, timeout=60).json()
+    text = httpx.post(f"{app}/detokenize", json={"tokens": brief["tokens"]}, timeout=60).json()["prompt"]
+    assert text.endswith("assistant: (briefly) ")
+    assert brief["count"] > plain["count"]
+    assert brief["max_model_len"] == plain["max_model_len"]
+    prefill = {"model": "target", "add_generation_prompt": False, "continue_final_message": True,
+               "messages": [{"role": "user", "content": "def f(x):"}, {"role": "assistant", "content": "    return"}]}
+    ids = httpx.post(f"{app}/tokenize", json=prefill, timeout=60).json()["tokens"]
+    greedy = {"max_tokens": 6, "temperature": 0, "ignore_eos": True}
+    continued = httpx.post(f"{app}/v1/chat/completions", json={**prefill, **greedy}, timeout=120).json()
+    completed = httpx.post(f"{app}/v1/completions", json={"model": "target", "prompt": ids, **greedy}, timeout=120).json()
+    assert continued["choices"][0]["message"]["content"] == completed["choices"][0]["text"]
+    assert continued["usage"]["prompt_tokens"] == len(ids)
+    refused = httpx.post(f"{app}/v1/chat/completions", json={**chat, "chat_template": "{{ messages }}"}, timeout=60)
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "chat_template"
+    refused = httpx.post(f"{app}/tokenize", json={**chat, "chat_template": "{{ messages }}"}, timeout=60)
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "chat_template"
+
+
+def test_models_and_version_say_what_clients_budget_with(app):
+    (model,) = httpx.get(f"{app}/v1/models", timeout=60).json()["data"]
+    assert model["id"] == "target" and model["owned_by"] == "specserve"
+    assert model["max_model_len"] == httpx.post(f"{app}/tokenize", json={"prompt": "x"}, timeout=60).json()["max_model_len"]
+    assert isinstance(model["created"], int) and model["created"] > 1_700_000_000
+    assert httpx.get(f"{app}/version", timeout=60).json() == {"version": importlib.metadata.version("specserve")}

@@ -578,3 +578,62 @@ def report(tally: Tally, beside: Beside, before: dict, after: dict) -> None:
     for name in sorted(set(before) | set(after)):
         if before.get(name) != after.get(name):
             print(f"[hostile] ACTOR {name}: before {before.get(name)} after {after.get(name)}")
+
+
+# -- refusals a client can read ------------------------------------------------------------------
+BIG = 40 << 20  # a body 40 times the limit
+
+
+def _error_of(status: int, body: bytes) -> dict:
+    assert status == 413, (status, body[:200])
+    error = json.loads(body)["error"]
+    assert set(error) == ERROR_KEYS and error["type"] == "invalid_request_error"
+    return error
+
+
+def test_oversized_bodies_get_a_readable_413_from_every_client(app):
+    """A client that sends its whole body before reading the answer reads the 413 and OpenAI's body
+    (before, the proxy answered and closed on the unread body: a reset or a broken pipe), for a
+    declared length and a chunked body; one that asks `Expect: 100-continue` gets it before sending;
+    the OpenAI SDK makes one attempt (a connection error it would have retried twice)."""
+    import http.client
+    import socket
+    from urllib.parse import urlsplit
+
+    import openai
+
+    urls, model = app
+    host, port = urlsplit(urls["proxy"]).hostname, urlsplit(urls["proxy"]).port
+    body = json.dumps({"model": model, "prompt": "x" * BIG}).encode()
+    for path in (COMPLETIONS, "/tokenize"):
+        conn = http.client.HTTPConnection(host, port, timeout=120)
+        conn.request("POST", path, body=body, headers={"content-type": "application/json"})
+        response = conn.getresponse()
+        _error_of(response.status, response.read())
+        conn.close()
+    conn = http.client.HTTPConnection(host, port, timeout=120)  # chunked: no length declared
+    conn.request("POST", COMPLETIONS, body=(body[i:i + (1 << 20)] for i in range(0, len(body), 1 << 20)),
+                 headers={"content-type": "application/json"}, encode_chunked=True)
+    response = conn.getresponse()
+    _error_of(response.status, response.read())
+    conn.close()
+    r = httpx.post(f"{urls['proxy']}{COMPLETIONS}", content=body, headers={"content-type": "application/json"},
+                   timeout=TIMEOUT)
+    _error_of(r.status_code, r.content)
+    with socket.create_connection((host, port), timeout=30) as s:  # the answer comes before the body
+        s.sendall(f"POST {COMPLETIONS} HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
+                  f"Content-Length: {len(body)}\r\nExpect: 100-continue\r\n\r\n".encode())
+        head = s.recv(65536)
+        assert head.startswith(b"HTTP/1.1 413"), head[:100]
+    attempts = []
+    with httpx.Client(event_hooks={"request": [attempts.append]}, timeout=TIMEOUT) as http_client:
+        sdk = openai.OpenAI(base_url=f"{urls['proxy']}/v1", api_key="none", http_client=http_client)
+        for kwargs in ({"prompt": "x" * BIG}, {"prompt": "x", "logit_bias": {str(i): 1 for i in range(300_000)}}):
+            attempts.clear()
+            try:
+                sdk.completions.create(model=model, max_tokens=1, **kwargs)
+                raise AssertionError("an oversized body was accepted")
+            except openai.APIStatusError as e:
+                assert e.status_code == 413 and e.body["type"] == "invalid_request_error", e
+            assert len(attempts) == 1  # a 413 is not retried; a reset connection was, twice
+    assert httpx.get(f"{urls['proxy']}/health", timeout=TIMEOUT).status_code == 200

@@ -62,3 +62,66 @@ def test_detokenize_gives_the_text_back_and_refuses_ids_the_model_lacks(tokenize
         with pytest.raises(InvalidRequestError) as e:
             detokenize(tokenizer, DetokenizeRequest(tokens=bad), len(tokenizer))
         assert e.value.param == "tokens"
+
+
+THINKING = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+            "{% if add_generation_prompt %}assistant: {% if enable_thinking is defined and not enable_thinking %}"
+            "[no thinking] {% endif %}{% endif %}")
+
+
+def test_chat_template_kwargs_reach_the_template(chat_tokenizer):
+    """As Qwen3's template reads enable_thinking: the variable the request passes is the template's."""
+    from app.openai_protocol import ChatCompletionRequest
+
+    chat_tokenizer.chat_template = THINKING
+    chat = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
+    plain = ChatCompletionRequest.model_validate(chat)
+    off = ChatCompletionRequest.model_validate({**chat, "chat_template_kwargs": {"enable_thinking": False}})
+    assert chat_tokenizer.decode(chat_prompt_ids(chat_tokenizer, plain.messages, plain)) == "user: hi\nassistant: "
+    assert chat_tokenizer.decode(chat_prompt_ids(chat_tokenizer, off.messages, off)) == \
+        "user: hi\nassistant: [no thinking] "
+    # /tokenize counts what a chat completion would generate from
+    out = tokenize(chat_tokenizer, TokenizeChatRequest.model_validate({**chat, "chat_template_kwargs":
+                                                                       {"enable_thinking": False}}), 512)
+    assert out["tokens"] == chat_prompt_ids(chat_tokenizer, off.messages, off)
+
+
+def test_a_request_template_and_continue_final_message(chat_tokenizer):
+    from app.openai_protocol import ChatCompletionRequest
+
+    messages = [{"role": "user", "content": "count"}, {"role": "assistant", "content": "one, two,"}]
+    body = ChatCompletionRequest.model_validate({"model": "m", "messages": messages, "add_generation_prompt": False,
+                                                 "continue_final_message": True})
+    assert chat_tokenizer.decode(chat_prompt_ids(chat_tokenizer, body.messages, body)) == \
+        "user: count\nassistant: one, two,"  # the assistant's text left open, to be continued
+    own = ChatCompletionRequest.model_validate({"model": "m", "messages": messages[:1],
+                                                "chat_template": "<<{{ messages[0].content }}>>"})
+    assert chat_tokenizer.decode(chat_prompt_ids(chat_tokenizer, own.messages, own)) == "<<count>>"
+
+
+@pytest.mark.parametrize("body, why", [
+    ({"chat_template_kwargs": {"tokenize": False}}, "tokenize"),  # apply_chat_template's own parameter
+    ({"chat_template_kwargs": {"messages": []}}, "messages"),  # what the server gives the template
+    ({"chat_template_kwargs": {f"k{i}": i for i in range(65)}}, "at most 64"),
+    ({"chat_template": "x" * (1 << 16 + 1)}, "at most 65536"),
+    ({"add_generation_prompt": True, "continue_final_message": True}, "cannot both be true"),
+    ({"chat_template_kwargs": []}, "dictionary"),
+])
+def test_template_controls_out_of_bounds_are_refused(body, why):
+    from app.openai_protocol import ChatCompletionRequest
+
+    with pytest.raises(ValidationError, match=why):
+        ChatCompletionRequest.model_validate({"model": "m", "messages": [{"role": "user", "content": "hi"}], **body})
+
+
+def test_a_configured_chat_template_is_a_template_or_a_file(tmp_path):
+    from deployments.config import AppConfig
+
+    path = tmp_path / "template.jinja"
+    path.write_text(TEMPLATE)
+    assert AppConfig(chat_template=str(path)).chat_template == str(path)
+    assert AppConfig(chat_template=TEMPLATE).chat_template == TEMPLATE
+    with pytest.raises(ValidationError, match="neither a Jinja template nor a readable file"):
+        AppConfig(chat_template=str(tmp_path / "missing.jinja"))
+    with pytest.raises(ValidationError, match="not a valid Jinja template"):
+        AppConfig(chat_template="{% for m in messages %}unclosed")
