@@ -4,7 +4,7 @@ token ids as the server would generate from them, and token ids back to text."""
 from pydantic import BaseModel, ConfigDict, Field
 
 from app.errors import InvalidRequestError
-from app.openai_protocol import ChatMessage, TemplateControls, chat_prompt_ids
+from app.chat_template import ChatMessage, TemplateControls, chat_prompt_ids
 from app.params import MAX_TOKEN_ID
 from app.tools import MAX_TOOLS, Tool
 

@@ -25,8 +25,9 @@ from transformers import AutoTokenizer
 from app import telemetry
 from app.errors import InvalidRequestError
 from app.grammar import Grammars
-from app.openai_protocol import (MAX_CHOICES, ChatCompletionRequest, CompletionRequest, chat_prompt_ids, choice_seed,
-                                 default_max_tokens, load_json, new_id, normalise_body)
+from app.chat_template import chat_prompt_ids
+from app.openai_protocol import (MAX_CHOICES, ChatCompletionRequest, CompletionRequest, choice_seed, default_max_tokens,
+                                 load_json, new_id, normalise_body)
 from app.openai_responses import (ChoiceView, choice_body, combined_speculation, completion_body, join_logprobs,
                                   usage_body)
 from app.chunks import Chunk, ResumeState

@@ -23,6 +23,7 @@ import torch
 import yaml
 
 from cluster import crd_schema as crds
+from cluster import dashboard as dash
 from cluster import k8s as gen
 from cluster.crd_schema import apiserver, strict
 
@@ -32,9 +33,9 @@ MANIFESTS = sorted(K8S.glob("ray-service.*.yaml"))
 # the pools: which deployment asks for which custom resource
 INTENDED = {"DraftServer": gen.DRAFT_POOL, "TargetServer": gen.TARGET_POOL}
 INTERNAL_PORTS = {6379, 8265, 10001}  # GCS, dashboard, client: never outside the cluster
-SPEC_METRICS = ([f"ray_specserve_{n}_total" for n in gen.COUNTERS]
-                + [f"ray_specserve_{n}_{s}" for n in gen.HISTOGRAMS for s in ("bucket", "sum", "count")]
-                + [f"ray_specserve_{n}" for n in gen.GAUGES])
+SPEC_METRICS = ([f"ray_specserve_{n}_total" for n in dash.COUNTERS]
+                + [f"ray_specserve_{n}_{s}" for n in dash.HISTOGRAMS for s in ("bucket", "sum", "count")]
+                + [f"ray_specserve_{n}" for n in dash.GAUGES])
 Loader = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
 
 
@@ -602,12 +603,12 @@ def test_grafana_dashboard_uses_the_exported_metric_names():
     used = set(re.findall(r"\bray_specserve_\w+", " ".join(exprs)))
     assert used <= set(SPEC_METRICS), f"names Ray does not export: {used - set(SPEC_METRICS)}"
     bases = {re.sub(r"_(total|bucket|sum|count)$", "", n) for n in used}
-    assert bases == {f"ray_specserve_{n}" for n in gen.COUNTERS + gen.HISTOGRAMS + gen.GAUGES}
+    assert bases == {f"ray_specserve_{n}" for n in dash.COUNTERS + dash.HISTOGRAMS + dash.GAUGES}
     assert any("ray_serve_deployment_replica_healthy" in e for e in exprs)
     vllm = {re.sub(r"_(bucket|sum|count)$", "", n) for n in re.findall(r"\bvllm:(\w+)", " ".join(exprs))}
-    assert vllm == set(gen.VLLM_HISTOGRAMS + gen.VLLM_GAUGES)
+    assert vllm == set(dash.VLLM_HISTOGRAMS + dash.VLLM_GAUGES)
     from deployments.metrics import VLLM_HISTOGRAMS
-    assert set(gen.VLLM_HISTOGRAMS) <= set(VLLM_HISTOGRAMS)  # names /metrics serves
+    assert set(dash.VLLM_HISTOGRAMS) <= set(VLLM_HISTOGRAMS)  # names /metrics serves
     for e in exprs:
         assert e.count("(") == e.count(")") and e.count("{") == e.count("}"), e
     titles = " ".join(p["title"].lower() for p in board["panels"])

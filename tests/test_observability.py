@@ -17,7 +17,7 @@ import ray
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 from prometheus_client.parser import text_string_to_metric_families
 
-from cluster import k8s
+from cluster import dashboard
 from serving import free_port, running_app, save_tiny_pair
 
 pytestmark = pytest.mark.slow
@@ -151,7 +151,7 @@ def test_counters_add_up_to_the_responses_speculation_stats(app):
 
 def test_the_dashboard_queries_names_ray_exports(app):
     complete(app, PROMPTS[1], speculation={"num_tokens": 2})
-    used = set(re.findall(r"\bray_specserve_\w+", json.dumps(k8s.dashboard())))
+    used = set(re.findall(r"\bray_specserve_\w+", json.dumps(dashboard.dashboard())))
     wanted = used - {"ray_specserve_fallback_rounds_total"}  # exported once a round falls back
     deadline, missing = time.monotonic() + 60, wanted
     while time.monotonic() < deadline and missing:

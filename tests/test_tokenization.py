@@ -7,7 +7,7 @@ import pytest
 from pydantic import ValidationError
 
 from app.errors import InvalidRequestError
-from app.openai_protocol import ChatMessage, chat_prompt_ids
+from app.chat_template import ChatMessage, chat_prompt_ids
 from app.tokenization import (DetokenizeRequest, TokenizeChatRequest, TokenizeCompletionRequest, detokenize,
                               tokenize)
 

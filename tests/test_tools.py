@@ -219,7 +219,8 @@ TEMPLATES = {
 def test_each_familys_template_renders_the_tools_the_calls_and_the_results(shape):
     import copy
 
-    from app.openai_protocol import ChatCompletionRequest, chat_prompt_ids
+    from app.chat_template import chat_prompt_ids
+    from app.openai_protocol import ChatCompletionRequest
 
     tok = copy.deepcopy(make_byte_tokenizer())
     tok.chat_template = TEMPLATES[shape]
