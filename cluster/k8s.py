@@ -27,6 +27,7 @@ DRAFT_POOL, TARGET_POOL = "draft_pool", "target_pool"
 GPU_TOLERATION = {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}
 POD_LABELS = {"app.kubernetes.io/name": "specserve", "app.kubernetes.io/part-of": "specserve"}
 SERVE_PORT, METRICS_PORT = 8000, 8080
+MODEL_CACHE = "/mnt/specserve-models"  # where pods keep the models they fetch (args.*.download_dir)
 
 
 @dataclass
@@ -42,7 +43,6 @@ class Pool:
     max_pods: int = 1
     node_selector: dict = field(default_factory=dict)
     shm: str | None = None  # /dev/shm size: NCCL between the ranks of one replica needs more than 64M
-    model_cache: str | None = None  # emptyDir for downloaded weights (use a PVC or node cache to reuse)
 
 
 @dataclass
@@ -63,6 +63,7 @@ class Variant:
     annotations: dict = field(default_factory=dict)
     redis: bool = False  # GCS fault tolerance with an external Redis
     token_auth: bool = False  # Ray token auth for the dashboard, GCS and client ports
+    model_cache_claim: str | None = None  # a PVC every pod mounts at MODEL_CACHE: fetched models, shared
 
 
 def merge(base: dict, extra: dict) -> dict:
@@ -121,9 +122,21 @@ def head(v: Variant) -> dict:
     ports = [{"containerPort": 6379, "name": "gcs-server"}, {"containerPort": 8265, "name": "dashboard"},
              {"containerPort": 10001, "name": "client"}, {"containerPort": SERVE_PORT, "name": "serve"},
              {"containerPort": METRICS_PORT, "name": "metrics"}]
-    spec = {"containers": [container(v, "ray-head", quantities(v.head_cpu, v.head_memory), ports, [])]}
+    volumes, mounts = model_cache(v)
+    spec = {"containers": [container(v, "ray-head", quantities(v.head_cpu, v.head_memory), ports, mounts)]}
+    if volumes:
+        spec["volumes"] = volumes
     return {"rayStartParams": {"num-cpus": "0", "dashboard-host": "0.0.0.0"},
             "template": {"metadata": {"labels": dict(POD_LABELS)}, "spec": spec}}
+
+
+def model_cache(v: Variant) -> tuple[list[dict], list[dict]]:
+    """The shared model cache's volume and mount: the builder and the ingress (any pod, the head
+    included) read configs and tokenizers from it, the model replicas their weights."""
+    if not v.model_cache_claim:
+        return [], []
+    return ([{"name": "model-cache", "persistentVolumeClaim": {"claimName": v.model_cache_claim}}],
+            [{"name": "model-cache", "mountPath": MODEL_CACHE}])
 
 
 def worker_group(v: Variant, pool: Pool) -> dict:
@@ -131,13 +144,10 @@ def worker_group(v: Variant, pool: Pool) -> dict:
     params = {"resources": '"' + json.dumps({pool.resource: 1}).replace('"', '\\"') + '"'}
     if pool.gpus:
         params = {"num-gpus": str(pool.gpus), **params}
-    volumes, mounts = [], []
+    volumes, mounts = model_cache(v)
     if pool.shm:
         volumes.append({"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": pool.shm}})
         mounts.append({"name": "dshm", "mountPath": "/dev/shm"})
-    if pool.model_cache:
-        volumes.append({"name": "model-cache", "emptyDir": {"sizeLimit": pool.model_cache}})
-        mounts.append({"name": "model-cache", "mountPath": "/home/ray/.cache/huggingface"})
     ports = [{"containerPort": SERVE_PORT, "name": "serve"}, {"containerPort": METRICS_PORT, "name": "metrics"}]
     spec = {"containers": [container(v, "ray-worker", quantities(pool.cpu, pool.memory, pool.gpus), ports, mounts)]}
     if pool.node_selector:
@@ -193,7 +203,11 @@ def render(v: Variant) -> str:
     return header + note + "---\n" + body
 
 
-HF_TOKEN = {"HF_TOKEN": ("specserve-hf", "token", False)}
+# object storage credentials (optional: pods may get them from their service account instead, IRSA or
+# workload identity); AWS_ENDPOINT_URL in the same secret points boto3 at an S3-compatible server
+S3_CREDENTIALS = {"AWS_ACCESS_KEY_ID": ("specserve-s3", "access-key-id", True),
+                  "AWS_SECRET_ACCESS_KEY": ("specserve-s3", "secret-access-key", True),
+                  "AWS_ENDPOINT_URL": ("specserve-s3", "endpoint-url", True)}
 API_KEY_OPTIONAL = {"SPECSERVE_API_KEY": ("specserve-api", "key", True)}
 API_KEY = {"SPECSERVE_API_KEY": ("specserve-api", "key", False)}
 
@@ -218,10 +232,14 @@ GPU_ARGS = {
     # byte cap: the CPU config's 1 GiB would hold ~13k tokens of the 70B target per rank). Each must
     # hold one sequence of max_model_len or its replica refuses to start; `specserve plan` on this
     # manifest: ~470k tokens per target rank, ~490k on the draft's L4 (k8s/README.md)
-    "target": {"model": "meta-llama/Llama-3.1-70B-Instruct", "dtype": "bfloat16", "tensor_parallel_size": TP,
+    # from object storage, fetched once into the shared cache (app/sources.py): a new pod of a node that
+    # already has it loads at once, where a per-pod download took the 140 GB again
+    "target": {"model": "s3://specserve-models/meta-llama/Llama-3.1-70B-Instruct", "download_dir": MODEL_CACHE,
+               "dtype": "bfloat16", "tensor_parallel_size": TP,
                "memory_utilization": 0.9, "rank_resources": {"GPU": 1, "CPU": 4}, "replica_cpus": 1,
                "max_cache_bytes": None, "max_model_len": 131072},
-    "draft": {"model": "meta-llama/Llama-3.2-1B-Instruct", "dtype": "bfloat16", "memory_utilization": 0.9,
+    "draft": {"model": "s3://specserve-models/meta-llama/Llama-3.2-1B-Instruct", "download_dir": MODEL_CACHE,
+              "dtype": "bfloat16", "memory_utilization": 0.9,
               "max_cache_bytes": None, "max_model_len": 131072, "packed_weights": "model"},  # packing: CPU only
 }
 GPU_DEPLOYMENTS = {
@@ -232,8 +250,12 @@ GPU_DEPLOYMENTS = {
 }
 GPU_HEADER = """
 Needs: KubeRay >= 1.5, node pools labelled by nvidia.com/gpu.product (GPU feature discovery) and
-tainted nvidia.com/gpu:NoSchedule, the image built by k8s/Dockerfile, and secrets `specserve-hf`
-(key `token`: a Hugging Face token with access to the Llama models) and `specserve-api` (key `key`).
+tainted nvidia.com/gpu:NoSchedule, the image built by k8s/Dockerfile, the models in the bucket
+`specserve-models` (each model's files under its name; `aws s3 sync` from a Hugging Face snapshot),
+the PVC `specserve-models` (k8s/model-cache.yaml: ReadWriteMany, where pods keep what they fetch),
+the secret `specserve-api` (key `key`), and S3 credentials: the secret `specserve-s3` (keys
+`access-key-id`, `secret-access-key`, optional `endpoint-url` for an S3-compatible server) or the
+pods' service account (IRSA).
 Draft pool: 1 x L4 per pod, Llama-3.2-1B. Target pool: 4 x H100 80GB per pod, Llama-3.1-70B in
 tensor parallel over the 4 GPUs of one pod. Each pool scales with its own deployment (1-8, 1-4).
 """
@@ -244,12 +266,12 @@ def gpu_variant(file: str, name: str, purpose: str, **kw) -> Variant:
     return Variant(
         file=file, name=name, header=purpose.strip() + "\n" + GPU_HEADER, gpu=True,
         draft=Pool("draft-gpu", DRAFT_POOL, cpu="8", memory="32Gi", gpus=1, min_pods=1, max_pods=8,
-                   node_selector={"nvidia.com/gpu.product": "NVIDIA-L4"}, model_cache="20Gi"),
+                   node_selector={"nvidia.com/gpu.product": "NVIDIA-L4"}),
         target=Pool("target-gpu", TARGET_POOL, cpu="32", memory="384Gi", gpus=TP, min_pods=1, max_pods=4,
                     node_selector={"nvidia.com/gpu.product": "NVIDIA-H100-80GB-HBM3"},
-                    shm="64Gi", model_cache="300Gi"),
+                    shm="64Gi"),
         head_cpu="8", head_memory="32Gi", args=GPU_ARGS, deployments=kw.pop("deployments", GPU_DEPLOYMENTS),
-        secrets={**HF_TOKEN, **API_KEY},
+        secrets={**S3_CREDENTIALS, **API_KEY}, model_cache_claim="specserve-models",
         # a 70B download and load can outlast the default wait for the first healthy app
         annotations={"ray.io/initializing-timeout": "45m"}, **kw)
 

@@ -12,6 +12,7 @@ from ray.serve.config import RequestRouterConfig
 from transformers import AutoConfig, AutoTokenizer
 
 from app.compat import check_vocabularies
+from app.sources import local_model
 from deployments.affinity import ChoiceGroupRouter, SessionAffinityRouter
 from deployments.config import AppConfig
 from deployments.ingress import Ingress
@@ -49,13 +50,16 @@ def tensor_parallel_options(cfg: AppConfig) -> dict:
 def build_app(args: dict) -> Application:
     """The specserve application; `args` is AppConfig (the `args` of cluster/serve_config.yaml)."""
     cfg = AppConfig.model_validate(args or {})
-    target_path, draft_path = resolve_models(cfg)
+    target_path, draft_path = resolve_models(cfg)  # sources: each replica makes them local on its own node
+    # the builder reads configs and tokenizers only: a remote model's other files, fetched on this node
+    target_meta = local_model(target_path, cfg.target.revision, cfg.target.download_dir, weights=False)
     if draft_path:
+        draft_meta = local_model(draft_path, cfg.draft.revision, cfg.draft.download_dir, weights=False)
         # refused here, before any replica starts, not by every batch once the app takes traffic
         check_vocabularies(
-            AutoTokenizer.from_pretrained(target_path, trust_remote_code=cfg.target.trust_remote_code),
-            AutoTokenizer.from_pretrained(draft_path, trust_remote_code=cfg.draft.trust_remote_code))
-    max_context = getattr(AutoConfig.from_pretrained(target_path), "max_position_embeddings", None) or 1 << 30
+            AutoTokenizer.from_pretrained(target_meta, trust_remote_code=cfg.target.trust_remote_code),
+            AutoTokenizer.from_pretrained(draft_meta, trust_remote_code=cfg.draft.trust_remote_code))
+    max_context = getattr(AutoConfig.from_pretrained(target_meta), "max_position_embeddings", None) or 1 << 30
     max_context = min(max_context, cfg.target.max_model_len or max_context)
     name = cfg.served_model_name or Path(target_path.rstrip("/")).name
     affinity = RequestRouterConfig(request_router_class=SessionAffinityRouter)

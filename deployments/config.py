@@ -11,7 +11,14 @@ from app.config import ModelSettings, SpeculationSettings
 class ModelConfig(ModelSettings):
     """One model of the pair: where it comes from, and its settings (app/config.py)."""
 
-    model: str | None = Field(None, description="Hub id or local directory; None = the built pair's model (`pair`).")
+    model: str | None = Field(
+        None, description="A local or mounted directory (a PVC), a hub id, or object storage (s3://bucket/prefix, "
+        "gs://bucket/prefix); None = the built pair's model (`pair`). Each node fetches a remote model once "
+        "(app/sources.py).")
+    revision: str | None = Field(None, description="A hub id's branch, tag or commit, pinned (vLLM's --revision).")
+    download_dir: str | None = Field(
+        None, description="Where each node keeps the models it fetches, shared by its replicas (a node-local disk "
+        "or a PVC): default $SPECSERVE_MODEL_CACHE or ~/.cache/specserve/models; hub ids: the Hugging Face cache.")
 
 
 class TargetConfig(ModelConfig):

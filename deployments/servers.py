@@ -24,6 +24,7 @@ from app.memory import DRAFT_PREFILL_TOKENS
 from app.chunks import Chunk
 from app.job import GenerationJob
 from app.runner import eos_ids, load_generation_config
+from app.sources import local_model
 from app.spec import Proposal, propose, verify, verify_tokens
 from deployments.affinity import Calls
 from deployments.autoscaling import CallerWaits, Observers, RoundLoad
@@ -120,6 +121,7 @@ class DraftServer(_Server):
 
     def __init__(self, cfg: ModelConfig, path: str, batch: BatchConfig, top_n: int):
         super().__init__()
+        path = local_model(path, cfg.revision, cfg.download_dir)  # fetched once per node when remote
         # a draft forward: a step of every sequence in the batch, or a new sequence's whole prompt
         self.runner = load_runner(path, cfg, max(batch.max_batch_size, DRAFT_PREFILL_TOKENS),
                                   logit_rows=batch.max_batch_size, batch=batch.max_batch_size)
@@ -154,6 +156,7 @@ class TargetServer(_Server):
     def __init__(self, cfg: TargetConfig, path: str, batch: TargetBatchConfig, draft, speculation: SpeculationConfig,
                  max_context: int):
         super().__init__()
+        path = local_model(path, cfg.revision, cfg.download_dir)  # fetched once per node; its ranks share it
         self.ranks: RankGroup | None = None
         if cfg.tensor_parallel_size == 1:
             # logits for the verify rows and each prompt's last position (tools/plan.py counts the same)

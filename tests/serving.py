@@ -53,3 +53,65 @@ def running_app(target: str, draft: str | None, args: dict | None = None, deploy
     with LocalCluster(system_config=system_config):
         deploy(config, timeout_s=300)
         yield f"http://127.0.0.1:{port}"
+
+
+class S3Server:
+    """An S3-compatible server on loopback (moto's server mode: no S3-compatible server installs from
+    the registries here), with a bucket, the credentials and endpoint its clients read from the
+    environment (`env`), and a record of the requests it served (`gets()`: GetObject keys)."""
+
+    def __init__(self, bucket: str = "models"):
+        import os
+
+        from moto.server import ThreadedMotoServer
+
+        self.port = free_port()
+        self.record = os.path.join(__import__("tempfile").mkdtemp(), "moto-recording")
+        os.environ["MOTO_RECORDER_FILEPATH"] = self.record  # read by the server's recorder, in this process
+        self.server = ThreadedMotoServer(ip_address="127.0.0.1", port=self.port, verbose=False)
+        self.server.start()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.env = {"AWS_ENDPOINT_URL": self.url, "AWS_ACCESS_KEY_ID": "test", "AWS_SECRET_ACCESS_KEY": "test",
+                    "AWS_DEFAULT_REGION": "us-east-1"}
+        self.bucket = bucket
+        self.client().create_bucket(Bucket=bucket)
+
+    def client(self):
+        import boto3
+
+        return boto3.client("s3", endpoint_url=self.url, aws_access_key_id="test", aws_secret_access_key="test",
+                            region_name="us-east-1")
+
+    def upload(self, directory: str, prefix: str) -> str:
+        """Every file of `directory` under `prefix`; returns the s3:// source."""
+        from pathlib import Path
+
+        root = Path(directory)
+        for path in sorted(p for p in root.rglob("*") if p.is_file()):
+            self.client().upload_file(str(path), self.bucket, f"{prefix}/{path.relative_to(root)}")
+        return f"s3://{self.bucket}/{prefix}"
+
+    def start_recording(self) -> None:
+        import httpx
+
+        httpx.post(f"{self.url}/moto-api/recorder/reset-recording", timeout=30)
+        httpx.post(f"{self.url}/moto-api/recorder/start-recording", timeout=30)
+
+    def gets(self) -> list[str]:
+        """The object keys of the GET requests served since start_recording (each a file fetched)."""
+        import json
+        from urllib.parse import urlsplit
+
+        import httpx
+
+        text = httpx.get(f"{self.url}/moto-api/recorder/download-recording", timeout=30).text
+        out = []
+        for line in text.splitlines():
+            entry = json.loads(line)
+            path = urlsplit(entry["url"]).path
+            if entry["method"] == "GET" and "list-type" not in entry["url"] and not path.startswith("/moto-api"):
+                out.append(path.removeprefix(f"/{self.bucket}/"))
+        return out
+
+    def stop(self) -> None:
+        self.server.stop()

@@ -2,7 +2,8 @@
 publishes, valid ones and ones that break it, and sends them to a live app. Every answer must be a
 success or an error in OpenAI's body with a 4xx status: never a 5xx, never another shape. The app
 serves an operator's chat template (one that reads a request's template variable), so the fuzzed
-template controls reach a template; the template controls themselves are tested here too.
+template controls reach a template, and loads its pair from object storage; the template controls
+and the object-storage loading themselves are tested here too.
 
 `make fuzz` runs 1000 cases per endpoint and mode; the suite runs FUZZ_CASES (default 60).
 """
@@ -17,7 +18,7 @@ import pytest
 import schemathesis
 from hypothesis import HealthCheck, given, settings
 
-from serving import running_app, save_tiny_pair
+from serving import S3Server, running_app, save_tiny_pair
 
 pytestmark = pytest.mark.slow
 CASES = int(os.environ.get("FUZZ_CASES", "60"))
@@ -29,10 +30,25 @@ TEMPLATE = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endf
 
 
 @pytest.fixture(scope="module")
-def app(tmp_path_factory):
-    pair = save_tiny_pair(tmp_path_factory.mktemp("pair"))
+def s3():
+    server = S3Server()
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="module")
+def app(tmp_path_factory, s3):
+    """The app, its pair served from object storage (an S3-compatible server on loopback) through a
+    node cache: the builder and two ingress replicas read the target's config and tokenizer, the
+    model replicas the whole of their own model."""
+    target, draft = save_tiny_pair(tmp_path_factory.mktemp("pair"))
+    sources = s3.upload(target, "pair/target"), s3.upload(draft, "pair/draft")
+    s3.expected = sorted(o["Key"] for o in s3.client().list_objects_v2(Bucket=s3.bucket)["Contents"])
+    s3.start_recording()
+    env = {**s3.env, "SPECSERVE_MODEL_CACHE": str(tmp_path_factory.mktemp("model-cache"))}
     # a small max_tokens cap keeps a thousand valid generations short
-    with running_app(*pair, args={"limits": {"max_tokens_cap": 8}, "chat_template": TEMPLATE}, compiled=False) as url:
+    with running_app(*sources, args={"limits": {"max_tokens_cap": 8}, "chat_template": TEMPLATE}, env=env,
+                     deployments={"Ingress": {"num_replicas": 2}}, compiled=False) as url:
         yield url
 
 
@@ -116,3 +132,14 @@ def test_models_and_version_say_what_clients_budget_with(app):
     assert model["max_model_len"] == httpx.post(f"{app}/tokenize", json={"prompt": "x"}, timeout=60).json()["max_model_len"]
     assert isinstance(model["created"], int) and model["created"] > 1_700_000_000
     assert httpx.get(f"{app}/version", timeout=60).json() == {"version": importlib.metadata.version("specserve")}
+
+
+def test_models_from_object_storage_are_fetched_once_per_node(app, s3):
+    """Builder, two ingress replicas, the target and the draft replica all resolved their s3:// models on
+    this one node: every object was fetched exactly once, and the app answers from them."""
+    r = httpx.post(f"{app}/v1/completions", json={"model": "target", "prompt": "def f", "max_tokens": 4,
+                                                   "temperature": 0}, timeout=120)
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4
+    fetched = collections.Counter(s3.gets())
+    assert sorted(fetched) == [k.removeprefix(f"{s3.bucket}/") for k in s3.expected]
+    assert set(fetched.values()) == {1}, fetched

@@ -11,9 +11,12 @@ def _pair_name(args) -> str:
 
 
 def _models(args) -> tuple[str, str | None]:
-    """The target and draft to use: the ones given, else the built pair (built on first use)."""
+    """The target and draft to use (local directories): the ones given, fetched where they are remote
+    (app/sources.py), else the built pair (built on first use)."""
     if args.target:
-        return args.target, args.draft
+        from app.sources import local_model
+
+        return local_model(args.target), local_model(args.draft) if args.draft else None
     from demo import pair
 
     target, draft = pair(_pair_name(args))
@@ -109,8 +112,8 @@ def parser() -> argparse.ArgumentParser:
 
     g = sub.add_parser("generate", help="generate in process (no Ray) for one or more prompts")
     g.add_argument("prompt", nargs="*", default=["def quicksort(items):\n"], help="prompts (default: a code prompt)")
-    g.add_argument("--target", help="target model: hub id or local directory (default: the pair's target)")
-    g.add_argument("--draft", help="draft model: hub id or local directory (default: the pair's draft)")
+    g.add_argument("--target", help="target model: local directory, hub id, s3:// or gs:// prefix (default: the pair's target)")
+    g.add_argument("--draft", help="draft model: local directory, hub id, s3:// or gs:// prefix (default: the pair's draft)")
     g.add_argument("--no-draft", action="store_true", help="plain target decoding")
     g.add_argument("--dtype", default="float32", help="target dtype: float32, bfloat16 (faster), float16 or auto")
     g.add_argument("--max-tokens", type=int, default=64)
@@ -122,8 +125,8 @@ def parser() -> argparse.ArgumentParser:
 
     s = sub.add_parser("serve", help="serve the OpenAI-compatible API on a local Ray cluster (foreground)")
     s.add_argument("--config", default=None, help="Serve config YAML (default: cluster/serve_config.yaml)")
-    s.add_argument("--target", help="target model: hub id or local directory (default: the pair's target)")
-    s.add_argument("--draft", help="draft model: hub id or local directory (default: the pair's draft)")
+    s.add_argument("--target", help="target model: local directory, hub id, s3:// or gs:// prefix (default: the pair's target)")
+    s.add_argument("--draft", help="draft model: local directory, hub id, s3:// or gs:// prefix (default: the pair's draft)")
     s.add_argument("--host", default="127.0.0.1", help="bind address (default loopback: put TLS/a gateway in front)")
     s.add_argument("--port", type=int, default=8000)
     _pair_arguments(s)

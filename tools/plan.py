@@ -55,6 +55,12 @@ class Row:
     why: str = ""
 
 
+def shipped_name(model: str) -> str:
+    """The name cluster/model_configs/ keeps a model's config under: a hub id as it is, an object-storage
+    source by its path in the bucket (s3://specserve-models/meta-llama/X: meta-llama/X)."""
+    return model.partition("://")[2].partition("/")[2] if "://" in model else model
+
+
 def model_config(model: str | None, pair_role: str) -> dict:
     """The config.json of a model id or directory; None is the reference pair's model."""
     if model is None:
@@ -62,8 +68,8 @@ def model_config(model: str | None, pair_role: str) -> dict:
                 else Path(__file__).resolve().parents[1] / "demo" / "weights" / "smollm2-draft")
     elif (Path(model) / "config.json").exists():
         path = Path(model)
-    elif (CONFIGS / model / "config.json").exists():
-        path = CONFIGS / model
+    elif (CONFIGS / shipped_name(model) / "config.json").exists():
+        path = CONFIGS / shipped_name(model)
     else:
         raise SystemExit(f"plan: no config.json for {model!r}: give a local model directory, or add its config "
                          f"under {CONFIGS}")
