@@ -10,8 +10,19 @@ from serving import free_port, save_tiny_pair
 pytestmark = pytest.mark.slow
 
 
-def test_a_short_soak_with_a_kill_per_layer_loses_nothing(tmp_path):
+def test_a_short_soak_with_a_kill_per_layer_loses_nothing(tmp_path, monkeypatch):
     target, draft = save_tiny_pair(tmp_path)
+    # eager forwards: four model replicas compiling their steps at once on 2 cores cost the suite about
+    # half a minute; the compiled served path is covered by test_serve, test_reliability and the CLI's test
+    shipped = soak.soak_config
+
+    def eager(*args, **kwargs):
+        config = shipped(*args, **kwargs)
+        app = config["applications"][0]["args"]
+        for role in ("target", "draft"):
+            app[role]["compile"] = "off"
+        return config
+    monkeypatch.setattr(soak, "soak_config", eager)
     report = soak.run(target, draft, seconds=55, clients=3, every=(12.0, 14.0), max_tokens=16, port=free_port(),
                       in_turn=True)
     table = report["table"]
