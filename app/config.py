@@ -65,6 +65,11 @@ class SpeculationSettings(BaseModel):
     draft_ahead: bool = Field(
         True, description="While a round verifies, draft the next one for the likely outcome (all accepted, bonus = "
         "the draft's guess); exact, it only hides the draft's time. Costs one more draft step per round.")
+    draft_ahead_branches: int = Field(
+        2, ge=0, le=4, description="A greedy sequence alone in its target forwards (whose draft would otherwise "
+        "idle while it verifies) also drafts ahead for its likely rejections: the draft's next-best `n` tokens at "
+        "each of the proposal's first two positions, each a context the round may end in. 0 = off. Exact: only "
+        "which proposal a round finds ready changes.")
     goodput_gate: bool = Field(
         False, description="Measure whether speculating emits more tokens per second than plain steps at the "
         "current load (windows of 0.5 s, per load level, the slower mode retried one window in five), and take "

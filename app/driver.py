@@ -38,13 +38,13 @@ import asyncio
 import copy
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
-from dataclasses import dataclass
 
 from app import telemetry
+from app.ahead import Ahead, cancel, hidden
 from app.draft_policy import DraftPolicy, DraftUnavailable
 from app.controller import CostEstimator, KController
 from app.request import RequestState
-from app.spec import Proposal, ProposeItem, Verdict, VerifyItem
+from app.spec import BRANCH_SLOTS, RUNNER_UP_POSITIONS, Proposal, ProposeItem, Verdict, VerifyItem, branch_id
 from app.telemetry import NoObserver, RoundFacts, RoundObserver
 
 ProposeFn = Callable[[ProposeItem], Awaitable[Proposal]]
@@ -69,17 +69,6 @@ def _costs(state: RequestState, costs: CostEstimator,
     return costs.c, verify_cost(), costs.overhead
 
 
-@dataclass
-class _Ahead:
-    """A proposal requested for a context the sequence may reach next round."""
-
-    context: list[int]
-    task: asyncio.Task
-    started: float
-    finished: float | None = None  # when the draft answered (set by the task's done callback)
-    prompt: bool = False  # asked beside the prompt's prefill (not drafting ahead: its use is no "ahead hit")
-
-
 class Rounds:
     """The rounds of one request; `next()` runs one and returns what it kept and how it went."""
 
@@ -91,7 +80,8 @@ class Rounds:
         self.company = company  # whether other sequences share this one's target forwards
         self.cached = 0  # context positions the target already holds for this sequence (as far as it knows)
         self.policy = policy or DraftPolicy()
-        self.ahead: _Ahead | None = None
+        self.ahead: Ahead | None = None
+        self.branches: list[Ahead] = []  # proposals asked for the round's likely rejections (_draft_branches)
         self.draft_down_until = float("-inf")
         self.down_reason = "draft_unavailable"
         self.first = not state.output_ids  # the request's first round: the target's prefill alone
@@ -146,6 +136,7 @@ class Rounds:
         beside_prompt = False  # the proposal was asked beside the prompt's prefill
         # output that does not depend on K: greedy, or sampled without a seed
         flexible = state.params.greedy or state.params.seed is None
+        self._adopt_branch()
         if k > 0 and clock() < self.draft_down_until:
             fallback = self.down_reason
         elif k > 0:
@@ -194,6 +185,7 @@ class Rounds:
             self._cancel_ahead()
         if proposal.tokens and self.policy.ahead and proposal.guess is not None:
             self._draft_ahead(proposal)
+            self._draft_branches(proposal)
         return await self._verify(proposal, k, fallback, ahead_hit, t_round, t_draft, beside_prompt)
 
     async def _verify(self, proposal: Proposal, k: int, fallback: str | None, ahead_hit: bool | None,
@@ -222,13 +214,15 @@ class Rounds:
             batch_size=verdict.stats.get("batch_size", 1), ahead_hit=ahead_hit,
             draft_hidden_s=proposal.stats.get("hidden_s", 0.0))
 
-    async def _draft(self, context: list[int], k: int) -> Proposal:
-        """Ask the draft for k tokens (and its guess of the bonus token, when drafting ahead)."""
+    async def _draft(self, context: list[int], k: int, seq_id: str | None = None) -> Proposal:
+        """Ask the draft for k tokens (and its guess of the bonus token, when drafting ahead; its
+        runner-ups, when branching). `seq_id`: a branch's own draft-side id (default: the request's)."""
         state = self.state
         try:
             with telemetry.span("draft.propose", attributes={"specserve.k": k}):
-                item = ProposeItem(state.request_id, context, k, state.params, state.seed,
-                                   trace=telemetry.carrier(), guess=self.policy.ahead, rules=state.rules)
+                item = ProposeItem(seq_id or state.request_id, context, k, state.params, state.seed,
+                                   trace=telemetry.carrier(), guess=self.policy.ahead, rules=state.rules,
+                                   runner_ups=self.policy.branches if self._branching() else 0)
                 t0 = time.perf_counter()
                 proposal = await asyncio.wait_for(self.propose(item), self.policy.timeout_s)
                 self.costs.observe_latency(time.perf_counter() - t0)
@@ -271,8 +265,52 @@ class Rounds:
         self._ask_ahead(state.token_ids + proposal.tokens + [proposal.guess], k)
 
     def _ask_ahead(self, context: list[int], k: int) -> None:
-        a = self.ahead = _Ahead(context, asyncio.ensure_future(self._draft(context, k)), time.perf_counter())
+        self.ahead = self._ask(context, k)
+
+    def _ask(self, context: list[int], k: int, seq_id: str | None = None) -> Ahead:
+        a = Ahead(context, asyncio.ensure_future(self._draft(context, k, seq_id)), time.perf_counter())
         a.task.add_done_callback(lambda _: setattr(a, "finished", time.perf_counter()))
+        return a
+
+    # -- branches: drafting ahead for the likely rejections ------------------------------------
+    def _branching(self) -> bool:
+        """Whether this sequence drafts ahead for its likely rejections too: greedy (the target's
+        correction is then its argmax, which the draft's runner-ups often guess), and alone in its
+        target forwards (the draft would otherwise idle while it verifies; with company, the pool's
+        time is the other sequences')."""
+        return (self.policy.ahead and self.policy.branches > 0 and self.state.params.greedy
+                and not self.company())
+
+    def _draft_branches(self, proposal: Proposal) -> None:
+        """While this round verifies, draft the next one for the round's likeliest rejections: the
+        proposal's token j refused in favour of one of the draft's runner-ups there (j = 0, 1). Each
+        is a context the round may end in; the one it does end in, if any, is used next round."""
+        state = self.state
+        if not (proposal.runner_ups and self._branching()):
+            return
+        slot = 0
+        for j, alternatives in enumerate(proposal.runner_ups[:RUNNER_UP_POSITIONS]):
+            likely = copy.deepcopy(self.controller)  # the K chosen after a round that accepted j
+            likely.observe(len(proposal.tokens), j)
+            k = within_room(state, likely.choose(*_costs(state, self.costs, self.verify_cost)), j + 1)
+            for token in alternatives[: BRANCH_SLOTS - slot] if k > 0 else ():
+                context = state.token_ids + proposal.tokens[:j] + [token]
+                self.branches.append(self._ask(context, k, branch_id(state.request_id, slot)))
+                slot += 1
+
+    def _adopt_branch(self) -> None:
+        """At a round's start: the branch drafted for exactly this context (if any) becomes the
+        proposal in hand, unless the main proposal drafted ahead fits; every other branch is dropped."""
+        context, a = self.state.token_ids, self.ahead
+        fits = a is not None and (a.context == context or self._shifted_ahead())
+        match = None if fits else next((b for b in self.branches if b.context == context), None)
+        for b in self.branches:
+            if b is not match:
+                cancel(b.task)
+        self.branches = []
+        if match is not None:
+            self._cancel_ahead()
+            self.ahead = match
 
     def _shifted_ahead(self) -> bool:
         """Whether the proposal in flight was asked for this round's context less its last token."""
@@ -298,35 +336,24 @@ class Rounds:
             if proposal is None:
                 return None
         self.ahead = None
-        return self._hidden(proposal, a, time.perf_counter())
+        return hidden(proposal, a, time.perf_counter())
 
     async def _await_ahead(self) -> Proposal:
         a, self.ahead = self.ahead, None
         waited = time.perf_counter()
-        return self._hidden(await a.task, a, waited)
-
-    @staticmethod
-    def _hidden(proposal: Proposal, a: _Ahead, waited: float) -> Proposal:
-        """The proposal with the part of the draft's round trip that ran while earlier rounds verified
-        (up to when it answered: time it then sat in hand is not draft time)."""
-        hidden = max(0.0, min(waited, a.finished if a.finished is not None else waited) - a.started)
-        return Proposal(proposal.tokens, proposal.q_ids, proposal.q_probs, {**proposal.stats, "hidden_s": hidden},
-                        proposal.guess)
+        return hidden(await a.task, a, waited)
 
     def _cancel_ahead(self) -> None:
         if self.ahead is not None:
-            self.ahead.task.cancel()
-            self.ahead.task.add_done_callback(_consume)  # a cancelled or failed miss is not an error
+            cancel(self.ahead.task)
             self.ahead = None
 
     def close(self) -> None:
         """The request ended: drop any proposal still being drafted for it."""
         self._cancel_ahead()
-
-
-def _consume(task: asyncio.Task) -> None:
-    if not task.cancelled():
-        task.exception()
+        for b in self.branches:
+            cancel(b.task)
+        self.branches = []
 
 
 async def run_rounds(

@@ -28,7 +28,7 @@ from app.chunks import Chunk
 from app.job import GenerationJob, Limits, admit
 from app.request import RequestState
 from app.runner import ModelRunner
-from app.spec import propose, verify, verify_tokens
+from app.spec import family, propose, verify, verify_tokens
 from app.telemetry import NoObserver, RoundObserver
 
 MAX_BATCH_TOKENS = 2048  # most positions one target forward computes in process (the KV budget leaves room for it)
@@ -252,7 +252,10 @@ class Engine:
         """Free a request's caches on both models (a release that fails is the remote replica's loss)."""
         await self.verifier.release(seq_id)
         if self.drafter:
-            await self.drafter.release(seq_id)
+            await self.drafter.release(seq_id)  # a draft pool's client frees the request's branches with it
+            if self.draft is not None:  # in process: the queue frees each branch's cache (app/spec.py, family)
+                for branch in family(seq_id)[1:]:
+                    await self.drafter.release(branch)
 
     async def generate_async(self, prompt: str | list[int], params: SamplingParams | dict | None = None) -> GenerationResult:
         state = self.new_request(prompt, params)

@@ -29,6 +29,26 @@ class ProposeItem:
     trace: dict | None = None  # W3C trace context of the caller's span, when tracing
     guess: bool = False  # also draft token k+1: the draft's guess of the target's bonus token
     rules: LogitRules | None = None  # the request's history-dependent logit rules (app/logits.py)
+    runner_ups: int = 0  # greedy: also the draft's next-best tokens at the first RUNNER_UP_POSITIONS
+
+
+RUNNER_UP_POSITIONS = 2  # where a proposal gives runner-ups: its likeliest rejections
+BRANCH_SLOTS = 2 * RUNNER_UP_POSITIONS  # sequence ids a request's branches are drafted under (their KV reused)
+
+
+def branch_id(seq_id: str, slot: int) -> str:
+    """The draft-side sequence id of one of a request's branches (a context its round may end in)."""
+    return f"{seq_id}#b{slot}"
+
+
+def family(seq_id: str) -> list[str]:
+    """A request's draft-side sequence ids: its own and its branches' (freed together)."""
+    return [seq_id] + [branch_id(seq_id, slot) for slot in range(BRANCH_SLOTS)]
+
+
+def parent_of(seq_id: str) -> str:
+    """The request a draft-side sequence id belongs to."""
+    return seq_id.split("#b", 1)[0]
 
 
 @dataclass
@@ -40,19 +60,22 @@ class Proposal:
     q_probs: torch.Tensor  # [k, M] float32, rows sum to 1
     stats: dict = field(default_factory=dict)  # filled by the serving replica (batch size, forward time)
     guess: int | None = None  # draft token k+1 when asked for: what the target's bonus token will likely be
+    runner_ups: list[list[int]] | None = None  # when asked for: the draft's next-best tokens at positions 0, 1
 
     def head(self, k: int) -> "Proposal":
         """The first k tokens: exactly what drafting k tokens would have produced (drafting is sequential)."""
         if k >= len(self.tokens):
             return self
-        return Proposal(self.tokens[:k], self.q_ids[:k], self.q_probs[:k], self.stats)
+        return Proposal(self.tokens[:k], self.q_ids[:k], self.q_probs[:k], self.stats,
+                        runner_ups=self.runner_ups[:k] if self.runner_ups else None)
 
     def after(self, token: int) -> "Proposal | None":
         """The proposal for the context extended by `token`, when the draft's first token was that token:
         its other tokens (drawn at the same positions from the same context) and its guess; else None."""
         if len(self.tokens) < 2 or self.tokens[0] != token:
             return None
-        return Proposal(self.tokens[1:], self.q_ids[1:], self.q_probs[1:], self.stats, self.guess)
+        return Proposal(self.tokens[1:], self.q_ids[1:], self.q_probs[1:], self.stats, self.guess,
+                        self.runner_ups[1:] if self.runner_ups else None)
 
     @classmethod
     def empty(cls) -> "Proposal":
@@ -200,8 +223,12 @@ def propose(runner: ModelRunner, items: list[ProposeItem], top_n: int = 32) -> l
                                            [it.seed for it in batch_items]], logits.device)
     greedy = all(it.sampling.greedy for it in batch_items)
     sampling = None if greedy else _sampling_tensors([it.sampling for it in batch_items], logits.device)
+    alternatives = max(it.runner_ups if it.sampling.greedy else 0 for it in batch_items)
+    runner_ups = []  # [B, alternatives] per position, while asked for
     for step in range(steps):
         logits = _ruled(runner.grammars, logits, batch_items, tokens)
+        if alternatives and step < RUNNER_UP_POSITIONS:
+            runner_ups.append(logits.topk(1 + alternatives, dim=-1).indices[:, 1:])
         t, qi, qp = _draft_step(logits, batch_items, positions + step, top_n, sampling, seeds)
         if step in guess_steps:
             t = torch.where(guess_step == step, _guess(logits, batch_items, positions + step, sampling, seeds), t)
@@ -211,12 +238,15 @@ def propose(runner: ModelRunner, items: list[ProposeItem], top_n: int = 32) -> l
     # [B, steps, ...]; a proposal leaves the draft's device: it is pickled to target replicas that may have none
     tokens, ids, probs = torch.stack(tokens, 1).cpu(), torch.stack(ids, 1).cpu(), torch.stack(probs, 1).cpu()
     rows = tokens.tolist()
+    ups = torch.stack(runner_ups, 1).tolist() if runner_ups else None  # [B, positions, alternatives]
     batch.close([len(it.token_ids) + n - 1 for it, n in zip(batch_items, drafted)], rows)
     for row, i in enumerate(live):
-        k = items[i].k
+        k, item = items[i].k, items[i]
         row_tokens = rows[row][: drafted[row]]
+        wanted = ups is not None and item.runner_ups and item.sampling.greedy
         out[i] = Proposal(row_tokens[:k], ids[row, :k], probs[row, :k], {"steps": steps},
-                          guess=row_tokens[k] if items[i].guess else None)
+                          guess=row_tokens[k] if item.guess else None,
+                          runner_ups=[r[: item.runner_ups] for r in ups[row][:k]] if wanted else None)
     return out
 
 

@@ -14,7 +14,7 @@ from collections.abc import Callable
 
 from app.batching import MicroBatcher
 from app.driver import DraftUnavailable
-from app.spec import Proposal, ProposeItem
+from app.spec import Proposal, ProposeItem, family, parent_of
 from deployments.affinity import Calls, Homes, members
 from deployments.dispatch import own_serve_request
 
@@ -48,20 +48,22 @@ class DraftClient:
             task = asyncio.ensure_future(self._release(seq_ids, old))
             self._releases.add(task)
             task.add_done_callback(self._releases.discard)
-        home = self.homes.place(item.seq_id, pool)
+        request = parent_of(item.seq_id)  # a request's branches live where its own cache does
+        home = self.homes.place(request, pool)
         try:
             proposal = await self._calls.submit(item, home)
         except Exception as e:  # a dead replica, an overloaded pool, a bad answer: all fail open
-            self.homes.forget(item.seq_id)  # its home may be gone: let the next call be placed afresh
+            self.homes.forget(request)  # its home may be gone: let the next call be placed afresh
             log.warning("draft pool failed for %s: %s", item.seq_id, type(e).__name__)
             raise DraftUnavailable(f"{type(e).__name__}: {e}") from e
         if "replica" in proposal.stats:
-            self.homes.record(item.seq_id, home, proposal.stats["replica"])
+            self.homes.record(request, home, proposal.stats["replica"])
         return proposal
 
     async def release(self, seq_id: str) -> None:
-        """Free the sequence's draft cache on its home replica; a gone replica took it along."""
-        await self._release([seq_id], self.homes.forget(seq_id))
+        """Free the request's draft caches (its own and its branches') on its home replica; a gone
+        replica took them along."""
+        await self._release(family(seq_id), self.homes.forget(seq_id))
 
     async def _release(self, seq_ids: list[str], home: str | None) -> None:
         try:

@@ -5,6 +5,7 @@ import asyncio
 import collections
 
 import pytest
+import torch
 
 from app.controller import CostEstimator, GoodputGate
 from app.driver import DraftPolicy, DraftUnavailable
@@ -154,6 +155,59 @@ def test_drafting_ahead_changes_timing_never_tokens(engine, target_model, tokeni
     rates = [r.speculation["draft_ahead_hit_rate"] for r in with_ahead]
     assert max(rates) > 0  # hits happen...
     assert min(rates) < 1  # ...and misses: rounds whose proposal drafted ahead was for the wrong context
+
+
+def test_branches_hide_the_draft_after_rejections_and_change_no_token(target_model, tokenizer):
+    """A greedy request alone drafts ahead for its round's likeliest rejections too (the draft's
+    runner-ups at positions 0 and 1): the round that ends in one finds its proposal drafted. Tokens
+    are the same with and without; more rounds find their proposal ready; every branch's draft cache
+    is freed with the request."""
+    from app.spec import BRANCH_SLOTS
+
+    draft = ModelRunner(blend(target_model, 7, 0.8), tokenizer)  # disagrees often: rounds end in rejections
+
+    def run(branches: int):
+        eng = Engine(ModelRunner(target_model, tokenizer), draft, k_max=6,
+                     policy=DraftPolicy(ahead=True, branches=branches))
+        eng.costs = DraftLags()
+        out = [eng.generate([p], greedy(num_tokens=4))[0] for p in PROMPTS]  # one at a time: alone
+        return out, sum(r.speculation["draft_ahead_hit_rate"] for r in out)
+    (plain, hits_without), (branched, hits_with) = run(0), run(2)
+    assert [r.token_ids for r in branched] == [r.token_ids for r in plain]
+    assert hits_with > hits_without
+    # every request's branch caches are freed with it (retired as prefix donors); the last request's
+    # cancelled branch forwards may still finish after its generate() call's event loop is gone, so
+    # only its branches may be left live
+    live = [k for k in draft.cache._entries if k not in draft.cache._retired]
+    assert len({k.split("#")[0] for k in live}) <= 1 and len(live) <= BRANCH_SLOTS, live
+
+
+def test_a_proposal_in_hand_keeps_what_drafting_ahead_needs():
+    """A proposal drafted ahead, when used, still carries its guess and runner-ups, so the round that
+    uses it drafts ahead (and branches) in turn."""
+    from app.ahead import Ahead, hidden
+    from app.spec import Proposal
+
+    drafted = Proposal([1, 2], torch.zeros(2, 1, dtype=torch.long), torch.ones(2, 1), {"steps": 3}, guess=3,
+                       runner_ups=[[4, 6], [5, 7]])
+    used = hidden(drafted, Ahead([0], task=None, started=1.0, finished=1.5), waited=2.0)
+    assert (used.guess, used.runner_ups, used.stats) == (3, [[4, 6], [5, 7]], {"steps": 3, "hidden_s": 0.5})
+
+
+def test_a_greedy_proposal_gives_the_drafts_runner_ups_where_asked(draft_model, tokenizer):
+    from app.spec import RUNNER_UP_POSITIONS, ProposeItem, propose
+
+    runner = ModelRunner(draft_model, tokenizer)
+    context = list(range(3, 20))
+    asked, sampled = propose(runner, [ProposeItem("a", context, 4, greedy(), 0, runner_ups=2),
+                                      ProposeItem("b", context, 4, seeded(1), 1, runner_ups=2)])
+    assert sampled.runner_ups is None  # a sampled request's correction is no argmax to guess
+    assert len(asked.runner_ups) == RUNNER_UP_POSITIONS and all(len(r) == 2 for r in asked.runner_ups)
+    logits = draft_model(torch.tensor([context + asked.tokens[:1]])).logits[0, -2:]
+    for j in range(RUNNER_UP_POSITIONS):
+        top = logits[j].topk(3).indices.tolist()
+        assert top[0] == asked.tokens[j] and asked.runner_ups[j] == top[1:]
+    assert propose(runner, [ProposeItem("c", context, 4, greedy(), 0)])[0].runner_ups is None
 
 
 class FailingFor:
