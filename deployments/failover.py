@@ -47,7 +47,7 @@ RETRY_AFTER_S = 1
 MAX_BODY_BYTES = LimitsConfig.model_fields["max_body_bytes"].default
 BODY_IDLE_TIMEOUT_S = 15.0  # longest wait for the next piece of a body
 BODY_TIMEOUT_S = 60.0  # longest time to receive a whole body
-# After refusing a body too large, the rest of it is read and discarded, up to these bounds, before
+# After refusing a body (too large, or too slow), the rest of it is read and discarded, up to these bounds, before
 # the answer: a client that sends its whole body before reading (http.client, requests, httpx, the
 # OpenAI SDK) then reads the 413. Closing with unread bytes resets the connection, and the client
 # sees a broken pipe instead (the SDK retries those, uploading the body again). nginx's "lingering
@@ -194,7 +194,7 @@ class FailoverMiddleware:
         except _ClientGone:
             return
         except _Refused as e:
-            if e.status == 413 and e.unread is not None:
+            if e.unread is not None:  # a 413's or a 408's client may still be sending: read on, then answer
                 await _drain(receive, e.unread, *self.drain)
             for m in e.messages():
                 await send(m)
