@@ -139,6 +139,20 @@ class KVStore:
                 self._entries.move_to_end(seq_id)
             return entry
 
+    def prefix_len(self, token_ids: list[int], salt: str | None = None) -> int:
+        """How many leading positions of token_ids a new sequence would borrow (0: none), borrowing nothing."""
+        with self._lock:
+            donor = None
+            for _, key in block_keys(token_ids, salt=salt):
+                if (seq_id := self._index.get(key)) is None:
+                    break
+                donor = seq_id
+            entry = self._entries.get(donor) if donor is not None else None
+            if entry is None or self._salts.get(donor) != salt:
+                return 0
+            n = common_prefix(entry.token_ids, token_ids)
+            return n if n >= BLOCK_SIZE else 0
+
     def borrow(self, token_ids: list[int], limit: int, salt: str | None = None,
                protect: frozenset[str] = frozenset()) -> SequenceCache | None:
         """A new cache holding the longest prefix of token_ids cached under the same salt (at most

@@ -285,7 +285,9 @@ class ModelRunner:
             for s in seqs:
                 entry = self.cache.get(s.seq_id)
                 limit = len(s.token_ids) - s.num_logits
-                done = min(common_prefix(entry.token_ids, s.token_ids), limit) if entry else 0
+                # a new sequence starts from the prefix it will borrow (a request's branch: its own context's)
+                done = min(common_prefix(entry.token_ids, s.token_ids) if entry else
+                           self.cache.prefix_len(s.token_ids[:limit], s.salt), limit)
                 total += len(s.token_ids) - done
                 end = min(limit, done + left)
                 if end > done and left > 0 and all(c.seq_id != s.seq_id for c in chunk):

@@ -51,6 +51,21 @@ def test_prefix_reuse_computes_only_the_rest(target_runner, target_model):
     assert target_runner.cache.get("a").token_ids == ids
 
 
+def test_a_new_sequence_prefills_only_past_the_prefix_it_will_borrow(target_model, tokenizer):
+    """A request's branch (a new sequence id over its context) starts where the borrowable prefix ends:
+    the store says how far without borrowing, and prefill() then computes nothing it would borrow."""
+    runner = ModelRunner(target_model, tokenizer, max_forward_tokens=16)
+    ids = random_ids(4, 70)
+    runner.prefill([SeqInput("a", ids, 1)])
+    runner.forward([SeqInput("a", ids, 1)])
+    assert runner.cache.prefix_len(ids + [5, 6]) == 70 and runner.cache.prefix_len(random_ids(5, 70)) == 0
+    assert runner.cache.prefix_len(ids[:10]) == 0  # under one block: never borrowed
+    assert runner.prefill([SeqInput("a#b0", ids + [5, 6], 1)]) == 0  # no chunk forward: it borrows 70
+    batch = runner.open([SeqInput("a#b0", ids + [5, 6], 1)])
+    assert batch.recomputed == 2
+    torch.testing.assert_close(batch.logits[0], fresh_logits(target_model, ids + [5, 6], 1), atol=ATOL, rtol=0)
+
+
 def test_rollback_after_divergence(target_runner, target_model):
     ids = random_ids(4, 25)
     target_runner.forward([SeqInput("a", ids)])
