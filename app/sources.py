@@ -110,6 +110,14 @@ def store_of(source: str):
     return S3Store(bucket, prefix) if scheme == "s3" else GCSStore(bucket, prefix)
 
 
+def log_into(logger: logging.Logger) -> None:
+    """Write this module's progress lines where `logger` writes (a Serve replica's log)."""
+    for handler in logger.handlers:
+        if handler not in log.handlers:
+            log.addHandler(handler)
+    log.setLevel(logging.INFO)
+
+
 def local_model(source: str, revision: str | None = None, download_dir: str | None = None,
                 weights: bool = True, store=None) -> str:
     """A local directory holding `source`'s files (with its weights, or only the rest when `weights`

@@ -34,7 +34,7 @@ from app.chunks import Chunk, ResumeState
 from app.job import GenerationJob
 from app.params import SamplingParams, SpeculationParams
 from app.request import streamed_text
-from app.sources import local_model
+from app.sources import local_model, log_into
 from app.tokenization import (DetokenizeRequest, TokenizeChatRequest, TokenizeCompletionRequest, detokenize,
                               tokenize)
 from app.tools import PARSERS, enforced_tools, special_markers
@@ -59,6 +59,7 @@ class Ingress:
 
     def __init__(self, target, cfg: AppConfig, tokenizer_path: str, model_name: str, max_context: int):
         self.cfg, self.model_name, self.max_context = cfg, model_name, max_context
+        log_into(log)
         # the target's tokenizer and config only: its weights are the target replicas' business
         self.tokenizer = AutoTokenizer.from_pretrained(
             local_model(tokenizer_path, cfg.target.revision, cfg.target.download_dir, weights=False))

@@ -8,6 +8,7 @@ The classes carry no @serve.deployment: build_app applies it with options from t
 
 import asyncio
 import functools
+import logging
 import sys
 from collections.abc import AsyncIterator
 
@@ -24,7 +25,7 @@ from app.memory import DRAFT_PREFILL_TOKENS
 from app.chunks import Chunk
 from app.job import GenerationJob
 from app.runner import eos_ids, load_generation_config
-from app.sources import local_model
+from app.sources import local_model, log_into
 from app.spec import Proposal, propose, verify, verify_tokens
 from deployments.affinity import Calls
 from deployments.autoscaling import CallerWaits, Observers, RoundLoad
@@ -77,6 +78,7 @@ class _Server:
         # a thread waiting for the GIL waits up to the switch interval (5 ms by default), which showed as
         # forwards far slower in a replica than in process: hand the GIL over sooner
         sys.setswitchinterval(SWITCH_INTERVAL_S)
+        log_into(logging.getLogger("ray.serve"))  # a model's fetch progress in this replica's log
         self.replica_id = _replica_id()
         self.metrics = ServerMetrics()
         telemetry.configure_tracing(type(self).__name__)

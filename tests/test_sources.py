@@ -136,3 +136,22 @@ def test_gcs_reads_through_its_sdks_calls():
     with tempfile.TemporaryDirectory() as d:
         path = local_model("gs://b/m", download_dir=d, store=gcs)
         assert (Path(path) / "sub" / "w.safetensors").read_bytes() == b"w"
+
+
+def test_a_fetch_says_what_it_does_in_the_replicas_log(s3, tmp_path):
+    """The fetch's progress lines go where the replica's logger writes (app/sources.py log_into)."""
+    import logging
+
+    from app.sources import log_into
+
+    lines = []
+
+    class Keep(logging.Handler):
+        def emit(self, record):
+            lines.append(record.getMessage())
+    replica = logging.getLogger("test.replica")
+    replica.addHandler(Keep())
+    log_into(replica)
+    local_model(s3.source, download_dir=str(tmp_path), store=store(s3))
+    assert any(line.startswith(f"fetching {s3.source}: ") and "files" in line for line in lines), lines
+    assert any(line.startswith(f"fetched {s3.source}: ") for line in lines), lines
