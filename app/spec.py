@@ -236,10 +236,16 @@ def propose(runner: ModelRunner, items: list[ProposeItem], top_n: int = 32) -> l
         if step + 1 < steps:
             logits = batch.extend(t)  # the drafted tokens stay on the device between steps
     # [B, steps, ...]; a proposal leaves the draft's device: it is pickled to target replicas that may have none
-    tokens, ids, probs = torch.stack(tokens, 1).cpu(), torch.stack(ids, 1).cpu(), torch.stack(probs, 1).cpu()
+    tokens = torch.stack(tokens, 1)
+    if runner_ups:  # [B, positions x alternatives] after the tokens: one copy from the device, not two
+        tokens = torch.cat([tokens, torch.stack(runner_ups, 1).flatten(1)], 1)
+    tokens, ids, probs = tokens.cpu(), torch.stack(ids, 1).cpu(), torch.stack(probs, 1).cpu()
     rows = tokens.tolist()
-    ups = torch.stack(runner_ups, 1).tolist() if runner_ups else None  # [B, positions, alternatives]
-    batch.close([len(it.token_ids) + n - 1 for it, n in zip(batch_items, drafted)], rows)
+    ups = None
+    if runner_ups:  # [B, positions, alternatives]
+        ups = [[row[steps + j * alternatives: steps + (j + 1) * alternatives] for j in range(len(runner_ups))]
+               for row in rows]
+    batch.close([len(it.token_ids) + n - 1 for it, n in zip(batch_items, drafted)], [r[:steps] for r in rows])
     for row, i in enumerate(live):
         k, item = items[i].k, items[i]
         row_tokens = rows[row][: drafted[row]]

@@ -45,6 +45,10 @@ def test_a_round_reads_the_device_once(target_model, tokenizer, greedy):
     # the draft: five steps (four tokens and the guess) and no read between them; its proposal's
     # tokens, q ids and q probabilities come back once each at the end
     assert draft_syncs.by_call == {"cpu": 3, "tolist": 1}, draft_syncs.by_call
+    # asked for its runner-ups too (a greedy sequence that branches): they ride with the tokens
+    with SyncCounter() as branching:
+        propose(draft, [ProposeItem(a.seq_id, a.token_ids, 4, params, a.seed, guess=True, runner_ups=2) for a in asks])
+    assert branching.by_call == draft_syncs.by_call, branching.by_call
 
 
 @pytest.mark.parametrize("greedy", [True, False], ids=["greedy", "sampled"])
