@@ -10,6 +10,7 @@ from app.job import GenerationJob
 from app.params import SamplingParams
 from deployments.config import AppConfig
 from deployments.dispatch import Dispatcher
+from test_dispatch import TargetPool
 from deployments.metrics import (GAUGE_TTL_S, HEARTBEAT_S, VLLM_ITL_S, VLLM_REQUEST_S, VLLM_TTFT_S, GaugeReport,
                                  MetricTotals, VLLMMetrics)
 
@@ -24,40 +25,17 @@ class Clock:
         return self.t
 
 
-class Scripted:
+class Scripted(TargetPool):
     """A target pool whose stream sends `chunks`, moving the clock by each one's `after` seconds first."""
 
     def __init__(self, clock: Clock, chunks: list[tuple[float, dict]]):
+        super().__init__(make_engine=None)
         self.clock, self.chunks = clock, chunks
 
-    def options(self, stream: bool):
-        return self
-
-    @property
-    def generate(self):
-        return self
-
-    def remote(self, job):
-        return _Stream(self._gen())
-
-    async def _gen(self):
+    async def _replica(self, job):
         for after, chunk in self.chunks:
             self.clock.t += after
             yield chunk
-
-
-class _Stream:
-    def __init__(self, gen):
-        self.gen = gen
-
-    def __aiter__(self):
-        return self
-
-    async def __anext__(self):
-        return await self.gen.__anext__()
-
-    def cancel(self):
-        pass
 
 
 def families(metrics: VLLMMetrics) -> dict:
@@ -133,7 +111,7 @@ def test_requests_are_waiting_until_their_first_token_then_running():
     seen = []
 
     class Watch(Scripted):
-        async def _gen(self):
+        async def _replica(self, job):
             seen.append(dict(metrics.gauges))
             yield {"token_ids": [1], "text": "a"}
             seen.append(dict(metrics.gauges))
