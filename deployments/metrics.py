@@ -327,11 +327,6 @@ class VLLMMetrics:
                           "per_pos": list(speculation["accepted_per_position"])})
         self._count(delta)
 
-    def count(self, speculation: dict) -> None:
-        """Add one finished generation's `speculation` summary alone (its spec-decode counters)."""
-        self._count({"drafts": speculation["drafted_rounds"], "draft_tokens": speculation["drafted_tokens"],
-                     "accepted": speculation["accepted_tokens"], "per_pos": list(speculation["accepted_per_position"])})
-
     def _count(self, delta: dict) -> None:
         _add(self.own, delta)
         _add(self.pending, delta)

@@ -174,13 +174,21 @@ def test_speculation_of_several_choices_weights_by_rounds():
     assert both["drafted_rounds"] == 38 and both["accepted_per_position"] == [40, 5]
 
 
+def _finish(counters, speculation: dict) -> None:
+    """One generation through `counters` from arrival to its end, with `speculation` as its summary."""
+    counters.arrived()
+    counters.first_token(0.05)
+    counters.finished(started=True, reason="length", prompt_tokens=3, generated=2, e2e_s=0.1, ttft_s=0.05,
+                      prompt_forward_s=None, speculation=speculation)
+
+
 def test_vllm_spec_decode_counters_read_as_vllms_client_reads_them():
     """`vllm bench serve` sums lines starting `vllm:spec_decode` whose name ends in `_total`."""
     from deployments.metrics import VLLMMetrics
 
     counters = VLLMMetrics("target")
-    counters.count({"drafted_rounds": 3, "drafted_tokens": 12, "accepted_tokens": 7, "accepted_per_position": [3, 3, 1]})
-    counters.count({"drafted_rounds": 1, "drafted_tokens": 4, "accepted_tokens": 4, "accepted_per_position": [1] * 4})
+    _finish(counters, {"drafted_rounds": 3, "drafted_tokens": 12, "accepted_tokens": 7, "accepted_per_position": [3, 3, 1]})
+    _finish(counters, {"drafted_rounds": 1, "drafted_tokens": 4, "accepted_tokens": 4, "accepted_per_position": [1] * 4})
     totals, per_pos = {}, {}
     for line in asyncio.run(counters.render()).decode().splitlines():
         if line.startswith("vllm:spec_decode") and line.split(None, 1)[0].split("{")[0].endswith("_total"):
@@ -208,8 +216,8 @@ def test_every_ingress_replica_serves_the_same_spec_decode_totals():
         return asyncio.run(counters.render()).decode()
 
     a, b = (VLLMMetrics("target", totals=add, flush_s=3600) for _ in range(2))
-    a.count({"drafted_rounds": 3, "drafted_tokens": 12, "accepted_tokens": 7, "accepted_per_position": [3, 3, 1]})
-    b.count({"drafted_rounds": 1, "drafted_tokens": 4, "accepted_tokens": 4, "accepted_per_position": [1] * 4})
+    _finish(a, {"drafted_rounds": 3, "drafted_tokens": 12, "accepted_tokens": 7, "accepted_per_position": [3, 3, 1]})
+    _finish(b, {"drafted_rounds": 1, "drafted_tokens": 4, "accepted_tokens": 4, "accepted_per_position": [1] * 4})
     asyncio.run(b.flush())
     first = scrape(a)
     assert 'vllm:spec_decode_num_drafts_total{model_name="target"} 4.0' in first
@@ -218,7 +226,7 @@ def test_every_ingress_replica_serves_the_same_spec_decode_totals():
     async def gone(delta, gauges=None, source=None):
         raise ConnectionError("the totals actor is gone")
     c = VLLMMetrics("target", totals=gone, flush_s=3600)
-    c.count({"drafted_rounds": 2, "drafted_tokens": 2, "accepted_tokens": 1, "accepted_per_position": [1]})
+    _finish(c, {"drafted_rounds": 2, "drafted_tokens": 2, "accepted_tokens": 1, "accepted_per_position": [1]})
     assert 'vllm:spec_decode_num_drafts_total{model_name="target"} 2.0' in scrape(c)
     assert c.pending["drafts"] == 2  # kept for when the store is back
 
