@@ -52,6 +52,15 @@ class ModelSettings(BaseModel):
         "processes, 2 target threads measured slower than 1).")
 
 
+class DraftSettings(ModelSettings):
+    """How the draft loads: a model's settings, and what only a draft may change."""
+
+    proposal_vocab: int | None = Field(
+        None, ge=1, description="The draft proposes from its n most frequent tokens alone (the ranking beside its "
+        "weights, token_ranking.json): its head computes n rows instead of the vocabulary's (app/draft_vocab.py). "
+        "Exact: the target verifies every token. None (or a draft without a ranking): the whole head.")
+
+
 class SpeculationSettings(BaseModel):
     """Speculation defaults; requests may pin K or turn speculation off."""
 

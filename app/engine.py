@@ -15,7 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from app import telemetry
 from app.compat import check_vocabularies
-from app.config import ModelSettings, SpeculationSettings
+from app.config import DraftSettings, ModelSettings, SpeculationSettings
 from app.controller import CostEstimator, GoodputGate, KController, KControllerConfig
 from app.driver import DraftPolicy, VerifyFn, run_rounds
 from app.errors import InvalidRequestError
@@ -43,7 +43,7 @@ class EngineConfig(BaseModel):
     target: str = Field(description="Target model: hub id or local directory.")
     draft: str | None = Field(None, description="Draft model: hub id or local directory; None = no speculation.")
     target_settings: ModelSettings = Field(default_factory=ModelSettings, description="How the target loads.")
-    draft_settings: ModelSettings = Field(default_factory=ModelSettings, description="How the draft loads.")
+    draft_settings: DraftSettings = Field(default_factory=DraftSettings, description="How the draft loads.")
     # In one process the two models' forwards take turns at the GIL, so drafting ahead slows the verify
     # it hides behind (2 CPU cores, demo pair, 16 code prompts, K = 4, `specserve bench` with and without
     # --draft-ahead: 145-155 tokens/s with it, 170-177 without). The served path, where the draft is
@@ -55,13 +55,14 @@ class EngineConfig(BaseModel):
     def of(cls, target: str, draft: str | None = None, **settings) -> "EngineConfig":
         """From flat keyword settings: `dtype` and `draft_dtype` per model; `device`, `max_cache_bytes`,
         `memory_utilization`, `trust_remote_code`, `compile`, `compile_max_tokens`, `attention` for both;
+        `proposal_vocab` for the draft;
         the speculation settings (`k_max`, `draft_top_n`, `draft_ahead`, ...) by name."""
-        per = {"dtype": "target_settings", "draft_dtype": "draft_settings"}
+        per = {"dtype": "target_settings", "draft_dtype": "draft_settings", "proposal_vocab": "draft_settings"}
         both, speculation = set(ModelSettings.model_fields) - {"dtype"}, set(SpeculationSettings.model_fields)
         out: dict = {"target_settings": {}, "draft_settings": {}, "speculation": {"draft_ahead": False}}
         for name, value in settings.items():
             if name in per:
-                out[per[name]]["dtype"] = value
+                out[per[name]][name.removeprefix("draft_")] = value
             elif name in both:
                 out["target_settings"][name] = out["draft_settings"][name] = value
             elif name in speculation:

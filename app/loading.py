@@ -5,7 +5,8 @@ from that device's memory for the forwards it will run (app/memory.py), its comp
 
 import torch
 
-from app.config import ModelSettings
+from app import draft_vocab
+from app.config import DraftSettings, ModelSettings
 from app.memory import size_kv_budget, size_shared_kv_budget
 from app.runner import ModelRunner, SeqInput, load_model
 
@@ -63,6 +64,8 @@ def _runner(path: str, settings: ModelSettings, tp_size: int) -> ModelRunner:
     set_torch_threads(settings)
     model, tokenizer = load_model(path, dtype=settings.dtype, device=resolve_device(settings.device),
                                   trust_remote_code=settings.trust_remote_code, tp_size=tp_size)
+    if isinstance(settings, DraftSettings) and settings.proposal_vocab:
+        draft_vocab.restrict_head(model, path, settings.proposal_vocab)  # before packing: its rows are packed
     packed = {"model": None, "bfloat16": torch.bfloat16}[settings.packed_weights]
     return ModelRunner(model, tokenizer, pack=tp_size == 1, compile=settings.compile,
                        compile_max_tokens=settings.compile_max_tokens, attention=settings.attention,

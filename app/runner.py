@@ -95,7 +95,7 @@ class ModelRunner:
         self.tokenizer = tokenizer
         self.device = next(model.parameters()).device
         # embedding rows past the tokenizer's vocabulary are padding: never sampled, sliced off
-        self.vocab_size = min(len(tokenizer), model.get_output_embeddings().weight.shape[0])
+        self.vocab_size = min(len(tokenizer), model.get_output_embeddings().out_features)
         self.max_context = getattr(model.config, "max_position_embeddings", None) or 1 << 30
         self.eos_ids = eos_ids(getattr(model, "generation_config", None), tokenizer)
         self.grammars = Grammars(tokenizer, self.vocab_size)  # structured output's matchers, per sequence

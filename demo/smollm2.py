@@ -157,6 +157,8 @@ def smollm2_pair(cache_dir: str | None = None, rebuild: bool = False, distill: b
             build_atomically(draft, lambda out: build_draft(target, out, work=root / "teacher-text", device=device))
         return str(target), str(draft)
     draft = root / "draft"
-    if rebuild or not (draft / PROVENANCE).exists():
+    # a shipped draft that gained a file since this cache was built (its token ranking) is installed again
+    stale = any(not (draft / f.name).exists() for f in SHIPPED_DRAFT.iterdir())
+    if rebuild or stale or not (draft / PROVENANCE).exists():
         build_atomically(draft, lambda out: install_shipped_draft(target, out))
     return str(target), str(draft)

@@ -5,7 +5,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from app.config import ModelSettings, SpeculationSettings
+from app.config import DraftSettings, ModelSettings, SpeculationSettings
 
 
 class ModelConfig(ModelSettings):
@@ -19,6 +19,10 @@ class ModelConfig(ModelSettings):
     download_dir: str | None = Field(
         None, description="Where each node keeps the models it fetches, shared by its replicas (a node-local disk "
         "or a PVC): default $SPECSERVE_MODEL_CACHE or ~/.cache/specserve/models; hub ids: the Hugging Face cache.")
+
+
+class DraftConfig(ModelConfig, DraftSettings):
+    """The draft model: where it comes from, and its settings."""
 
 
 class TargetConfig(ModelConfig):
@@ -80,7 +84,7 @@ class AppConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     target: TargetConfig = Field(default_factory=TargetConfig, description="The target model.")
-    draft: ModelConfig | None = Field(default_factory=ModelConfig, description="The draft; null = no speculation.")
+    draft: DraftConfig | None = Field(default_factory=DraftConfig, description="The draft; null = no speculation.")
     pair: Literal["smollm2", "demo", "quick"] = Field(
         "smollm2", description="The built pair whose models serve when none is named (demo/__init__.py): smollm2 "
         "(SmolLM2-135M-Instruct and its distilled draft), demo (a toy trained on the standard library) or quick.")
