@@ -79,6 +79,11 @@ class SpeculationSettings(BaseModel):
         "idle while it verifies) also drafts ahead for its likely rejections: the draft's next-best `n` tokens at "
         "each of the proposal's first two positions, each a context the round may end in. 0 = off. Exact: only "
         "which proposal a round finds ready changes.")
+    draft_stop_below: float = Field(
+        0.3, ge=0, le=1, description="A greedy or unseeded request's proposal ends at the first token the draft gives "
+        "less than this probability (its top probability there): the tokens after it would likely be refused, "
+        "so the draft stops there and the verify carries fewer rows; K is then the longest proposal. 0 = always "
+        "K. Exact: a proposal's length depends on the draft's own distribution alone.")
     goodput_gate: bool = Field(
         False, description="Measure whether speculating emits more tokens per second than plain steps at the "
         "current load (windows of 0.5 s, per load level, the slower mode retried one window in five), and take "

@@ -100,9 +100,12 @@ class Rounds:
     def gateable(self) -> bool:
         """Whether the engine's measured gate decides this sequence's mode (controller.GoodputGate): only
         where output does not depend on K (greedy or unseeded, K not pinned, a draft to ask)."""
-        params = self.state.params
-        return (self.costs.gate is not None and self.propose is not None
-                and (params.greedy or params.seed is None) and params.speculation.pinned_k() is None)
+        return (self.costs.gate is not None and self.propose is not None and self._flexible()
+                and self.state.params.speculation.pinned_k() is None)
+
+    def _flexible(self) -> bool:
+        """Whether this request's output does not depend on K (greedy, or sampled without a seed)."""
+        return self.state.params.greedy or self.state.params.seed is None
 
     def _gated(self) -> bool:
         """Whether the gate holds this sequence to plain steps now."""
@@ -134,8 +137,7 @@ class Rounds:
         k = within_room(state, wanted)
         proposal, fallback, ahead_hit, t_draft = Proposal.empty(), None, None, 0.0
         beside_prompt = False  # the proposal was asked beside the prompt's prefill
-        # output that does not depend on K: greedy, or sampled without a seed
-        flexible = state.params.greedy or state.params.seed is None
+        flexible = self._flexible()
         self._adopt_branch()
         if k > 0 and clock() < self.draft_down_until:
             fallback = self.down_reason
@@ -222,7 +224,8 @@ class Rounds:
             with telemetry.span("draft.propose", attributes={"specserve.k": k}):
                 item = ProposeItem(seq_id or state.request_id, context, k, state.params, state.seed,
                                    trace=telemetry.carrier(), guess=self.policy.ahead, rules=state.rules,
-                                   runner_ups=self.policy.branches if self._branching() else 0)
+                                   runner_ups=self.policy.branches if self._branching() else 0,
+                                   stop_below=self.policy.stop_below if self._flexible() else 0.0)
                 t0 = time.perf_counter()
                 proposal = await asyncio.wait_for(self.propose(item), self.policy.timeout_s)
                 self.costs.observe_latency(time.perf_counter() - t0)

@@ -14,6 +14,7 @@ from app.logits import LogitRules
 from app.params import SamplingParams
 from app.runner import ModelRunner, SeqInput
 from app.sampling import DRAFT, EMIT, SamplingSteps, process_logits, rejection_sample, sample, uniform
+from app.draft_length import Lengths
 from app.syncs import to_device, upload
 
 
@@ -30,6 +31,9 @@ class ProposeItem:
     guess: bool = False  # also draft token k+1: the draft's guess of the target's bonus token
     rules: LogitRules | None = None  # the request's history-dependent logit rules (app/logits.py)
     runner_ups: int = 0  # greedy: also the draft's next-best tokens at the first RUNNER_UP_POSITIONS
+    # stop drafting after the first token the draft gives less than this probability (0: draft all k);
+    # the guess is then the draft's next token. Exact: the proposal's length depends on q alone.
+    stop_below: float = 0.0
 
 
 RUNNER_UP_POSITIONS = 2  # where a proposal gives runner-ups: its likeliest rejections
@@ -225,33 +229,49 @@ def propose(runner: ModelRunner, items: list[ProposeItem], top_n: int = 32) -> l
     sampling = None if greedy else _sampling_tensors([it.sampling for it in batch_items], logits.device)
     alternatives = max(it.runner_ups if it.sampling.greedy else 0 for it in batch_items)
     runner_ups = []  # [B, alternatives] per position, while asked for
+    lengths = Lengths(batch_items, logits.device) if any(it.stop_below > 0 for it in batch_items) else None
     for step in range(steps):
         logits = _ruled(runner.grammars, logits, batch_items, tokens)
         if alternatives and step < RUNNER_UP_POSITIONS:
             runner_ups.append(logits.topk(1 + alternatives, dim=-1).indices[:, 1:])
         t, qi, qp = _draft_step(logits, batch_items, positions + step, top_n, sampling, seeds)
+        if lengths is not None:  # a sampled row's guess, were its proposal to end at this step
+            lengths.step(logits, qp, _guess(logits, batch_items, positions + step, sampling, seeds)
+                         if sampling is not None else None)
         if step in guess_steps:
             t = torch.where(guess_step == step, _guess(logits, batch_items, positions + step, sampling, seeds), t)
         tokens.append(t), ids.append(qi), probs.append(qp)
-        if step + 1 < steps:
+        if step + 1 < steps and not (lengths is not None and lengths.done(step)):
             logits = batch.extend(t)  # the drafted tokens stay on the device between steps
+        else:
+            break
+    steps = len(tokens)
     # [B, steps, ...]; a proposal leaves the draft's device: it is pickled to target replicas that may have none
     tokens = torch.stack(tokens, 1)
-    if runner_ups:  # [B, positions x alternatives] after the tokens: one copy from the device, not two
-        tokens = torch.cat([tokens, torch.stack(runner_ups, 1).flatten(1)], 1)
+    extra = [torch.stack(runner_ups, 1).flatten(1)] if runner_ups else []  # [B, positions x alternatives]
+    if lengths is not None:  # [B, steps] confident and [B, steps] guesses, after the tokens
+        extra += [lengths.confident(), lengths.guesses(tokens)]
+    if extra:  # one copy from the device, not several
+        tokens = torch.cat([tokens, *extra], 1)
     tokens, ids, probs = tokens.cpu(), torch.stack(ids, 1).cpu(), torch.stack(probs, 1).cpu()
     rows = tokens.tolist()
     ups = None
     if runner_ups:  # [B, positions, alternatives]
         ups = [[row[steps + j * alternatives: steps + (j + 1) * alternatives] for j in range(len(runner_ups))]
                for row in rows]
-    batch.close([len(it.token_ids) + n - 1 for it, n in zip(batch_items, drafted)], [r[:steps] for r in rows])
+    ks = [it.k for it in batch_items]
+    guesses = [row[k] if it.guess else None for row, it, k in zip(rows, batch_items, ks)]
+    if lengths is not None:  # each row's own length, and its guess there
+        tail = steps + len(runner_ups) * alternatives
+        ks = [Lengths.length(it, row[tail: tail + steps]) for it, row in zip(batch_items, rows)]
+        guesses = [row[tail + steps + k] if it.guess else None for row, it, k in zip(rows, batch_items, ks)]
+        drafted = [k + it.guess for k, it in zip(ks, batch_items)]
+    batch.close([len(it.token_ids) + n - 1 for it, n in zip(batch_items, drafted)],
+                [r[:steps] for r in rows])
     for row, i in enumerate(live):
-        k, item = items[i].k, items[i]
-        row_tokens = rows[row][: drafted[row]]
+        k, item = ks[row], items[i]
         wanted = ups is not None and item.runner_ups and item.sampling.greedy
-        out[i] = Proposal(row_tokens[:k], ids[row, :k], probs[row, :k], {"steps": steps},
-                          guess=row_tokens[k] if item.guess else None,
+        out[i] = Proposal(rows[row][:k], ids[row, :k], probs[row, :k], {"steps": steps}, guess=guesses[row],
                           runner_ups=[r[: item.runner_ups] for r in ups[row][:k]] if wanted else None)
     return out
 
