@@ -11,7 +11,7 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Protocol
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from app import telemetry
 from app.compat import check_vocabularies
@@ -50,6 +50,12 @@ class EngineConfig(BaseModel):
     # another process, keeps it.
     speculation: SpeculationSettings = Field(default_factory=lambda: SpeculationSettings(draft_ahead=False),
                                              description="Speculation defaults; drafting ahead is off in process.")
+
+    @field_validator("draft_settings", mode="before")
+    @classmethod
+    def _draft_from_model_settings(cls, value):
+        """A model's settings serve as a draft's (with the draft's own at their defaults)."""
+        return value.model_dump() if isinstance(value, ModelSettings) and not isinstance(value, DraftSettings) else value
 
     @classmethod
     def of(cls, target: str, draft: str | None = None, **settings) -> "EngineConfig":

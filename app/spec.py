@@ -259,9 +259,10 @@ def propose(runner: ModelRunner, items: list[ProposeItem], top_n: int = 32) -> l
     if runner_ups:  # [B, positions, alternatives]
         ups = [[row[steps + j * alternatives: steps + (j + 1) * alternatives] for j in range(len(runner_ups))]
                for row in rows]
-    ks = [it.k for it in batch_items]
-    guesses = [row[k] if it.guess else None for row, it, k in zip(rows, batch_items, ks)]
-    if lengths is not None:  # each row's own length, and its guess there
+    if lengths is None:
+        ks = [it.k for it in batch_items]
+        guesses = [row[k] if it.guess else None for row, it, k in zip(rows, batch_items, ks)]
+    else:  # each row's own length, and its guess there
         tail = steps + len(runner_ups) * alternatives
         ks = [Lengths.length(it, row[tail: tail + steps]) for it, row in zip(batch_items, rows)]
         guesses = [row[tail + steps + k] if it.guess else None for row, it, k in zip(rows, batch_items, ks)]

@@ -145,3 +145,14 @@ def test_off_a_cpu_the_steps_read_nothing_until_the_end(target_model, tokenizer,
     assert syncs.by_call == fixed.by_call, syncs.by_call
     assert [(p.tokens, p.guess) for p in proposals] == [(p.tokens, p.guess) for p in on_cpu]
     assert any(len(p.tokens) < 4 for p in proposals)  # some stopped early, with the same tokens as on a CPU
+
+
+def test_a_branching_row_that_stops_at_once_keeps_its_guess_and_runner_ups():
+    """A greedy row asking for runner-ups (drafting ahead for rejections) that stops after its first
+    token: two steps run, not k + 1, and its guess and runner-ups are read where they lie."""
+    chain = greedy_chain(4, 2)
+    assert top_prob(4) < 0.9
+    draft = Counting(TABLE)
+    (proposal,) = spec.propose(draft, [ProposeItem("r", [5, 4], 6, GREEDY, 0, guess=True, runner_ups=2, stop_below=0.9)])
+    assert proposal.tokens == chain[:1] and proposal.guess == chain[1] and draft.steps == 1
+    assert proposal.runner_ups == [TABLE[4].topk(3).indices[1:].tolist()]

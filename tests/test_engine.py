@@ -5,6 +5,7 @@ import asyncio
 import pytest
 import torch
 
+from app.draft_policy import DraftPolicy
 from app.engine import Engine
 from app.errors import ContextLengthError, InvalidRequestError, VocabularyMismatchError
 from app.params import SamplingParams
@@ -33,7 +34,9 @@ def drafts(target_model):
 @pytest.mark.parametrize("kind", ["same", "random", "partial"])
 @pytest.mark.parametrize("k", [1, 4, "auto"])
 def test_greedy_is_token_identical_to_plain_decoding(kind, k, drafts, target_model, tokenizer):
-    engine = Engine(ModelRunner(target_model, tokenizer), ModelRunner(drafts[kind], tokenizer))
+    # proposals of K, as asked (a proposal that ends where the draft is unsure: tests/test_draft_length.py)
+    engine = Engine(ModelRunner(target_model, tokenizer), ModelRunner(drafts[kind], tokenizer),
+                    policy=DraftPolicy(stop_below=0.0))
     batch = engine.generate(PROMPTS, greedy(num_tokens=k))
     alone = engine.generate(PROMPTS[1], greedy(num_tokens=k))[0]
     for r in batch + [alone]:
