@@ -204,17 +204,24 @@ def test_sampled_rounds_with_rules_follow_the_processed_target_law():
     seeds = torch.arange(n) * 1_000_003 + 17
     proposals = spec.propose(Bigram(draft), [ProposeItem(f"s{i}", prompt, k, params, int(s), rules=rules)
                                              for i, s in enumerate(seeds.tolist())])
+    first, second = first_two(target, prompt, proposals, params, seeds, rules)
+    assert_law(np.array(first) * v + np.array(second), joint.ravel(), tv_bound=0.03)
+
+
+def first_two(target: torch.Tensor, prompt: list[int], proposals, params, seeds: torch.Tensor, rules=None):
+    """The first two tokens each seed's output emits after `prompt`: its round over its proposal, and
+    where that round emitted one token, the plain step after it (a bigram target `target`)."""
     verdicts = spec.verify(Bigram(target), [VerifyItem(f"s{i}", prompt, pr, params, int(s), rules=rules)
                                             for i, (pr, s) in enumerate(zip(proposals, seeds.tolist()))])
     first = [vd.tokens[0] for vd in verdicts]
     one = [i for i, vd in enumerate(verdicts) if len(vd.tokens) == 1]
-    assert 0.1 < len(one) / n < 0.9, "both paths (rejection at slot 0, acceptance) must be exercised"
+    assert 0.1 < len(one) / len(verdicts) < 0.9, "both paths (rejection at slot 0, acceptance) must be exercised"
     nxt = spec.verify(Bigram(target), [VerifyItem(f"s{i}", prompt + [first[i]], spec.Proposal.empty(), params,
                                                   int(seeds[i]), rules=rules) for i in one])
     second = [vd.tokens[1] if len(vd.tokens) > 1 else None for vd in verdicts]
     for i, vd in zip(one, nxt):
         second[i] = vd.tokens[0]
-    assert_law(np.array(first) * v + np.array(second), joint.ravel(), tv_bound=0.03)
+    return first, second
 
 
 def processed_with(rules: LogitRules, logits: torch.Tensor, history: list[int], params: SamplingParams) -> torch.Tensor:
