@@ -2,11 +2,10 @@
 
 A small draft's step is mostly its head. The reference pair's draft holds 12.6M of its 16.8M weights
 in its 49152 x 256 head, and on a CPU a draft step streams them all to propose one token. Most of
-those rows are tokens the teacher text it learned from hardly ever shows: its 16384 most frequent
-tokens cover all but a few in a hundred of the target's greedy output, and the draft's greedy match
-with the target, teacher-forced over the held-out prompts, fell from 0.674 to 0.666 (demo.distill's
-token ranking, docs/performance.md). So the head keeps the rows of the draft's `n` most frequent
-tokens (`token_ranking.json` beside its weights, most frequent first) and the others get FLOOR.
+those rows are tokens it hardly ever proposes: kept to its 16384 most proposed tokens (demo.distill's
+token ranking), the draft's greedy match with the target, teacher-forced over the held-out prompts'
+greedy outputs, fell from 0.674 to 0.664 (docs/performance.md). So the head keeps the rows of the
+draft's `n` most proposed tokens (`token_ranking.json` beside its weights, most frequent first) and the others get FLOOR.
 
 Exact in every mode: the target verifies every token. The draft proposes what it samples from its
 processed distribution q (q = 0 past the kept rows), and the rejection sampler's residual max(p - q, 0)
