@@ -86,9 +86,9 @@ class SpeculationSettings(BaseModel):
         "K. Exact: a proposal's length depends on the draft's own distribution alone.")
     goodput_gate: bool = Field(
         False, description="Measure whether speculating emits more tokens per second than plain steps at the "
-        "current load (windows of 0.5 s, per load level, the slower mode retried one window in five), and take "
-        "plain steps where it does not. For a draft that shares the target's cores. Greedy and unseeded "
-        "requests only; exact either way.")
+        "current load (windows of 0.5 s and 16 rounds, per load level, the slower mode retried one window in "
+        "five), and take plain steps where it does not. For a draft that shares the target's cores. Greedy and "
+        "unseeded requests with company only (a request alone is its K controller's); exact either way.")
     verify_saturation_tokens: int = Field(
         64, gt=0, description="Load-aware K's prior: tokens per target forward beyond which verifying more costs "
         "time. A replica measures its forwards' time by token count and uses the prior only where it has not.")

@@ -25,9 +25,10 @@ from __future__ import annotations
 
 import bisect
 import math
-import time
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from app.gate import GoodputGate
 
 # what verifying K more tokens per sequence costs, in target steps: a slope v (K·v) or, measured,
 # one figure per K (index K; app.controller.VerifyCurve.extra)
@@ -80,82 +81,6 @@ class CostConfig:
     weight: float = 0.1  # EMA weight of the newest round: ~10 rounds of memory, smooths jitter
     c_min: float = 0.01  # timer noise on a tiny draft must not make drafting look free
     c_max: float = 1.0  # at c >= 1 no K > 0 can pay, so higher values change nothing
-
-
-def load_bucket(active: float) -> int:
-    """Sequences in flight, as a power-of-two bucket: 1, 2-3, 4-7, 8-15, ..."""
-    return max(0, int(math.log2(max(active, 1.0))))
-
-
-@dataclass
-class GoodputGate:
-    """Whether speculation pays on this engine at its current load, measured, not modelled.
-
-    The cost model above assumes the draft computes beside the target. Where both share the
-    machine's cores (a CPU node, a small test cluster), drafting takes compute from the target's
-    forwards, and at high load speculation can emit fewer tokens per second than plain steps
-    although every round looks worth it. So time is cut into windows; in each one every flexible
-    sequence either may speculate or takes plain steps. The engine's emitted tokens per second are
-    kept per mode and per load bucket (sequences in flight). The faster mode is used, and the other is
-    tried again one window in `explore`, so a change in load or text is noticed.
-
-    Only K that output does not depend on is gated: greedy and unseeded requests, K not pinned.
-    A seeded sampled request's K depends on its own history alone (app/driver.py).
-    """
-
-    clock: Callable[[], float] = time.monotonic
-    window_s: float = 0.5  # long enough for ~25 rounds at one stream, short enough to follow the load
-    explore: int = 5  # one window in `explore` tries the mode that measured slower
-    weight: float = 0.5  # EMA weight of a window's rate
-    rates: dict = field(default_factory=dict)  # (speculating, load bucket) -> EMA tokens/s
-    speculating: bool = True
-    _start: float | None = None
-    _tokens: int = 0
-    _load: float = 0.0  # sum over the window's rounds of sequences in flight
-    _rounds: int = 0
-    _since_explore: int = 0
-
-    def allows(self) -> bool:
-        """Whether a flexible sequence may draft in the window now running."""
-        self._tick()
-        return self.speculating
-
-    def emitted(self, tokens: int, active: int) -> None:
-        """Record a round's emitted tokens and the sequences in flight as it ended."""
-        if self._start is None:
-            self._start = self.clock()
-        self._tokens += tokens
-        self._load += active
-        self._rounds += 1
-        self._tick()
-
-    def _tick(self) -> None:
-        now = self.clock()
-        if self._start is None:
-            self._start = now
-            return
-        elapsed = now - self._start
-        if elapsed < self.window_s:
-            return
-        if self._rounds and elapsed < 4 * self.window_s:  # a window with an idle gap measures nothing
-            key = (self.speculating, load_bucket(self._load / self._rounds))
-            rate = self._tokens / elapsed
-            old = self.rates.get(key)
-            self.rates[key] = rate if old is None else (1 - self.weight) * old + self.weight * rate
-            self.speculating = self._next(key[1])
-        self._start, self._tokens, self._load, self._rounds = now, 0, 0.0, 0
-
-    def _next(self, bucket: int) -> bool:
-        spec, plain = self.rates.get((True, bucket)), self.rates.get((False, bucket))
-        if spec is None or plain is None:  # measure the mode not yet seen at this load
-            self._since_explore = 0
-            return spec is None
-        best = spec >= plain
-        self._since_explore += 1
-        if self._since_explore >= self.explore:
-            self._since_explore = 0
-            return not best
-        return best
 
 
 class VerifyCurve:
@@ -397,11 +322,12 @@ class KController:
         if k > 0 or cfg.k_max == 0:
             self._zero_rounds = 0
             return k
-        busy = verify_extra(verify_cost, cfg.probe_k) > cfg.margin  # a probe's rows would cost the target
-        if busy and optimal_k(self.alpha, c, cfg.k_max, 0.0, cfg.margin, overhead) > 0:
-            # the busy target, not the draft, makes speculation not pay: acceptance is not in doubt
-            # and the load is measured live (K returns the round it drops), so a probe would only
-            # add rows and a draft call to forwards that are already the bottleneck
+        hopeful = max(self.alpha, cfg.prior_alpha)  # what a probe could find the acceptance to be
+        if (optimal_k(hopeful, c, cfg.k_max, verify_cost, cfg.margin, overhead) == 0
+                and optimal_k(self.alpha, c, cfg.k_max, 0.0, cfg.margin, overhead) > 0):
+            # the busy target, not the draft, makes speculation not pay, even were acceptance as good as
+            # a probe could find it; the load is measured live (K returns the round it drops), so a probe
+            # would only add rows and a draft call to forwards that are already the bottleneck
             self._zero_rounds = 0
             return 0
         self._zero_rounds += 1

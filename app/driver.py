@@ -15,11 +15,9 @@ never tokens.
 
 Never wait with company: a greedy or unseeded request whose next proposal is not in hand while
 other sequences share its target does not wait for the draft (its rounds would drift out of step
-with theirs and every forward would carry fewer of them). It runs this round as a plain target step
-in the same forward and lets the draft propose from here; when the target's token is the draft's
-first, the rest of that proposal is next round's. Alone on its target, it waits: nothing to miss.
-A seeded sampled request always waits: its draws depend on each round's K, which must not depend
-on load.
+with theirs). It runs this round as a plain target step in the same forward; when the target's token
+is the draft's first, the rest of that proposal is next round's. Alone on its target, it waits. A
+seeded sampled request always waits: its draws depend on each round's K, which must not depend on load.
 
 First token at once: a request's first round (no output yet) is a plain target step, the prompt's
 prefill, as it is with speculation off; the draft is asked beside it, never before it, for the
@@ -29,9 +27,8 @@ the prompt's KV by then. Every request's first round has K = 0 whatever the load
 stays a function of the request alone; a resumed request (it has output) skips the rule.
 
 Fail open, per sequence: a draft that errs or misses its deadline turns this sequence's rounds
-into plain target steps for a while; no other sequence is touched. A seeded sampled request first
-asks again (its output depends on its K, and a retry gets the same proposal from whichever replica
-answers), so a killed draft replica does not change what it generates.
+into plain target steps for a while. A seeded sampled request first asks again (its output depends
+on its K; a retry gets the same proposal from any replica): a killed draft replica changes nothing.
 """
 
 import asyncio
@@ -85,6 +82,7 @@ class Rounds:
         self.draft_down_until = float("-inf")
         self.down_reason = "draft_unavailable"
         self.first = not state.output_ids  # the request's first round: the target's prefill alone
+        self.draft_current = False  # whether the draft computed this sequence's last round (its proposal)
 
     def draft_beside_prefill(self) -> None:
         """Ask the draft for the prompt's proposal now, while the target prefills it (first round only)."""
@@ -98,7 +96,7 @@ class Rounds:
 
     @property
     def gateable(self) -> bool:
-        """Whether the engine's measured gate decides this sequence's mode (controller.GoodputGate): only
+        """Whether the engine's measured gate decides this sequence's mode (app.gate.GoodputGate): only
         where output does not depend on K (greedy or unseeded, K not pinned, a draft to ask)."""
         return (self.costs.gate is not None and self.propose is not None and self._flexible()
                 and self.state.params.speculation.pinned_k() is None)
@@ -108,8 +106,8 @@ class Rounds:
         return self.state.params.greedy or self.state.params.seed is None
 
     def _gated(self) -> bool:
-        """Whether the gate holds this sequence to plain steps now."""
-        return self.gateable and not self.costs.gate.allows()
+        """Whether the gate holds this sequence to plain steps now (never alone: GoodputGate)."""
+        return self.gateable and self.company() and not self.costs.gate.allows()
 
     async def next(self) -> tuple[Verdict, RoundFacts]:
         """One round: choose K, get a proposal (drafted ahead, or now, or none), verify, learn."""
@@ -188,10 +186,10 @@ class Rounds:
         if proposal.tokens and self.policy.ahead and proposal.guess is not None:
             self._draft_ahead(proposal)
             self._draft_branches(proposal)
-        return await self._verify(proposal, k, fallback, ahead_hit, t_round, t_draft, beside_prompt)
+        return await self._verify(proposal, k, fallback, ahead_hit, t_round, t_draft)
 
     async def _verify(self, proposal: Proposal, k: int, fallback: str | None, ahead_hit: bool | None,
-                      t_round: float, t_draft: float, from_prompt: bool = False) -> tuple[Verdict, RoundFacts]:
+                      t_round: float, t_draft: float) -> tuple[Verdict, RoundFacts]:
         """Verify this round's proposal (empty: a plain target step), learn from it, report the round."""
         state = self.state
         t0 = time.perf_counter()
@@ -200,11 +198,13 @@ class Rounds:
             verdict = await self.verify(VerifyItem(state.request_id, state.token_ids, proposal, state.params,
                                                    state.seed, trace=telemetry.carrier(), new_tokens=new,
                                                    rules=state.rules))
-        # the target now holds the context and the accepted draft tokens; the last kept token is new next round
-        self.cached = len(state.token_ids) + verdict.accepted
+        self.cached = len(state.token_ids) + verdict.accepted  # the last kept token is new next round
+        was_current, self.draft_current = self.draft_current, bool(proposal.tokens)
         t_verify = time.perf_counter() - t0
         if proposal.tokens:
-            if not from_prompt:  # the wait for the prompt's proposal holds the draft's prefill: not a round's cost
+            # only where the draft saw the last round: after the prompt or plain steps a proposal holds the
+            # draft's prefill of what it missed, which as steps would price the draft out for good
+            if was_current:
                 forward = proposal.stats.get("forward_s"), proposal.stats.get("steps")
                 self.costs.observe(t_draft, len(proposal.tokens), t_verify, forward if None not in forward else None)
             self.costs.observe_acceptance(len(proposal.tokens), verdict.accepted)

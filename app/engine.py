@@ -16,7 +16,8 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 from app import telemetry
 from app.compat import check_vocabularies
 from app.config import DraftSettings, ModelSettings, SpeculationSettings
-from app.controller import CostEstimator, GoodputGate, KController, KControllerConfig
+from app.controller import CostEstimator, KController, KControllerConfig
+from app.gate import GoodputGate
 from app.driver import DraftPolicy, VerifyFn, run_rounds
 from app.errors import InvalidRequestError
 from app.scheduler import ForwardQueue, in_thread
@@ -114,7 +115,7 @@ class Engine:
                  max_batch_tokens: int | None = MAX_BATCH_TOKENS, eos_ids: frozenset[int] | None = None,
                  kv_capacity: int | None = None, goodput_gate: bool = False, grammars: Grammars | None = None):
         """goodput_gate: measure whether speculating emits more tokens per second than plain steps at
-        the current load, and take plain steps where it does not (app/controller.py, GoodputGate)."""
+        the current load, and take plain steps where it does not (app/gate.py)."""
         # the local runners, when in process (benchmarks read their models); None when remote
         self.target = target if isinstance(target, ModelRunner) else None
         self.draft = draft if isinstance(draft, ModelRunner) else None

@@ -7,7 +7,6 @@ import pytest
 from app.controller import (
     CostConfig,
     CostEstimator,
-    GoodputGate,
     KController,
     KControllerConfig,
     VerifyCurve,
@@ -16,6 +15,7 @@ from app.controller import (
     optimal_k,
     verify_extra,
 )
+from app.gate import GoodputGate
 
 
 def draft_round(rng: random.Random, alpha: float, k: int) -> int:
@@ -212,6 +212,20 @@ def test_a_busy_target_turns_speculation_off_without_probes():
     assert any(ctrl.choose(0.05, verify_cost=2.0) > 0 for _ in range(20))
 
 
+def test_a_dip_in_acceptance_under_a_dear_verify_is_probed_again():
+    """A run of rejections leaves α low while verifying rows costs a little: speculation then does
+    not pay, but it would at the acceptance a probe could find, so the load is not the reason and
+    probes come (without them α would never be measured again and the request would stay plain)."""
+    ctrl = KController(KControllerConfig(probe_interval=4))
+    for k, accepted in ((2, 0), (2, 1), (2, 0)):
+        ctrl.observe(k, accepted)
+    assert 0.3 < ctrl.alpha < 0.35
+    curve = [0.0, 0.14, 0.14, 0.08, 0.15, 0.21, 0.28, 0.35, 0.41]  # as one served replica measured it
+    assert ctrl.choose(0.06, 0.0, 0.2) > 0  # were verifying free, it would pay: acceptance alone is not why
+    ks = [ctrl.choose(0.06, curve, 0.2) for _ in range(12)]
+    assert ks[0] == 0 and any(k > 0 for k in ks)
+
+
 def test_a_measured_verify_curve_caps_k_where_rows_start_to_cost():
     """One CPU core: verifying up to 5 rows costs a step, more rows cost more (the reference target's
     curve). A slope could only say "free" (K = k_max) or "costly" (shorter everywhere); per K, the
@@ -323,15 +337,16 @@ class Clock:
         return self.t
 
 
-def windows(gate: GoodputGate, clock: Clock, rate: dict[bool, float], n: int, active: int = 1) -> list[bool]:
-    """Run n windows of eight rounds, emitting tokens at rate[mode] (tokens/s); the mode of each."""
+def windows(gate: GoodputGate, clock: Clock, rate: dict[bool, float], n: int, active: int = 2) -> list[bool]:
+    """Run n windows of `min_rounds` rounds, emitting tokens at rate[mode] (tokens/s); the mode of each."""
     modes = []
+    gate.emitted(0, active)  # a round opens the first window (in one already open: a round of no tokens)
     for _ in range(n):
         mode = gate.allows()
         modes.append(mode)
-        for _ in range(8):
-            clock.t += gate.window_s / 8  # exact in binary: a window ends on its eighth round
-            gate.emitted(round(rate[mode] * gate.window_s / 8), active)
+        for _ in range(gate.min_rounds):
+            clock.t += gate.window_s / gate.min_rounds  # exact in binary: a window ends on its last round
+            gate.emitted(round(rate[mode] * gate.window_s / gate.min_rounds), active)
     return modes
 
 
@@ -341,7 +356,7 @@ def test_the_gate_keeps_speculating_where_it_is_faster_and_retries_plain_steps()
     modes = windows(gate, clock, {True: 320.0, False: 192.0}, 22)
     assert modes[:3] == [True, False, True]  # each mode measured once at this load, then the faster
     assert modes.count(False) == 5  # the slower one retried one window in five (after the first two)
-    assert gate.rates[(True, 0)] == pytest.approx(320.0) and gate.rates[(False, 0)] == pytest.approx(192.0)
+    assert gate.rates[(True, 1)] == pytest.approx(320.0) and gate.rates[(False, 1)] == pytest.approx(192.0)
 
 
 def test_the_gate_takes_plain_steps_where_they_are_faster():
@@ -353,22 +368,88 @@ def test_the_gate_takes_plain_steps_where_they_are_faster():
 
 
 def test_the_gate_decides_per_load():
-    """Faster to speculate alone, slower with 16 sequences in flight: each load level has its own answer."""
+    """Faster to speculate with two in flight, slower with 16: each load level has its own answer."""
     clock = Clock()
     gate = GoodputGate(clock=clock)
-    windows(gate, clock, {True: 300.0, False: 200.0}, 6, active=1)
+    windows(gate, clock, {True: 300.0, False: 200.0}, 6, active=2)
     busy = windows(gate, clock, {True: 600.0, False: 800.0}, 8, active=16)
     assert busy[-5:].count(False) >= 4
-    alone = windows(gate, clock, {True: 300.0, False: 200.0}, 4, active=1)
-    assert alone[1:].count(True) >= 2  # back to speculating once the load is back (the first window was busy's)
-    assert gate.rates[(True, 4)] < gate.rates[(False, 4)] and gate.rates[(True, 0)] > gate.rates[(False, 0)]
+    light = windows(gate, clock, {True: 300.0, False: 200.0}, 4, active=2)
+    assert light[1:].count(True) >= 2  # back to speculating once the load is back (the first window was busy's)
+    assert gate.rates[(True, 4)] < gate.rates[(False, 4)] and gate.rates[(True, 1)] > gate.rates[(False, 1)]
 
 
-def test_an_idle_gap_measures_nothing():
+def test_a_window_pools_enough_rounds_to_see_past_the_text():
+    """A window of a few rounds measures a run of easy or hard tokens, not the mode: one closes only
+    after `min_rounds`, and each mode's windows are pooled, tokens over seconds."""
     clock = Clock()
-    gate = GoodputGate(clock=clock)
-    gate.allows()
-    gate.emitted(5, 1)
+    gate = GoodputGate(clock=clock, explore=2)
+    for i in range(4 * gate.min_rounds):  # one round per window_s / 4: a window holds min_rounds, not 4
+        clock.t += gate.window_s / 4
+        gate.emitted(4 if i % 2 else 1, 2)  # easy and hard rounds alternate; 2.5 a round either way
+    assert sorted(gate.pooled) == [(False, 1), (True, 1)]
+    assert all(r == pytest.approx(2.5 / (gate.window_s / 4), rel=0.1) for r in gate.rates.values())
+
+
+def test_an_idle_gap_or_a_sequence_alone_measures_nothing():
+    clock = Clock()
+    gate = GoodputGate(clock=clock, min_rounds=2)
+    gate.emitted(5, 2)
     clock.t += 10 * gate.window_s  # no rounds for a while: the window's rate would be meaningless
-    gate.emitted(5, 1)
-    assert gate.rates == {} and gate.allows()
+    gate.emitted(5, 2)
+    assert gate.pooled == {} and gate.allows()
+    for _ in range(8):  # a sequence alone: its own controller weighs its costs (app/driver.py never asks)
+        clock.t += gate.window_s
+        gate.emitted(1, 1)
+    assert gate.pooled == {}
+    for _ in range(3):
+        clock.t += gate.window_s
+        gate.emitted(5, 2)
+    assert gate.rates == {(True, 1): pytest.approx(10 / gate.window_s / 2)}
+
+
+def test_a_proposal_after_plain_steps_does_not_price_the_draft(tokenizer):
+    """A proposal whose draft missed the last round (the prompt's, or one after plain steps) holds
+    the draft's prefill of what it missed: charged as draft steps, that prefill would price the draft
+    out, and the plain rounds that follow would never correct it. Only proposals that follow a drafted
+    round are measured."""
+    import asyncio
+    import itertools
+
+    from app.driver import run_rounds
+    from app.params import SamplingParams
+    from app.request import RequestState
+    from app.spec import Proposal, Verdict
+
+    script = itertools.chain([0, 0, 0, 3, 3, 0, 3, 3], itertools.repeat(0))  # the first K: beside the prompt
+
+    class Scripted(KController):
+        def choose(self, c, verify_cost=0.0, overhead=0.0):
+            return next(script)
+
+    class Spy(CostEstimator):
+        def __init__(self):
+            super().__init__()
+            self.drafts = []
+
+        def observe(self, draft_seconds, draft_steps, target_seconds, draft_forward=None):
+            self.drafts.append(draft_steps)
+            super().observe(draft_seconds, draft_steps, target_seconds, draft_forward)
+
+    async def propose(item):
+        return Proposal([5] * item.k, None, None, {"forward_s": 0.001, "steps": item.k})
+
+    async def verify(item):
+        n = len(item.proposal.tokens)
+        return Verdict([5] * (n + 1), n, n, {"forward_s": 0.002})
+
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    state = RequestState("r", [3, 4], params, tokenizer, max_context=512)
+    costs = Spy()
+
+    async def go():
+        async for _ in run_rounds(state, propose, verify, Scripted(), costs):
+            pass
+    asyncio.run(go())
+    # rounds: prefill, K = 0, 0, 3 (after plain: not measured), 3 (measured), 0, 3 (not), 3 (measured)
+    assert costs.drafts == [3, 3] and len(state.output_ids) == 24

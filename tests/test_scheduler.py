@@ -7,7 +7,8 @@ import collections
 import pytest
 import torch
 
-from app.controller import CostEstimator, GoodputGate
+from app.controller import CostEstimator
+from app.gate import GoodputGate
 from app.driver import DraftPolicy, DraftUnavailable
 from app.engine import Engine
 from app.scheduler import ForwardQueue
@@ -476,10 +477,16 @@ def test_where_the_gate_measured_plain_steps_faster_flexible_requests_never_call
     eng = Engine(ModelRunner(target_model, tokenizer), ModelRunner(draft_model, tokenizer), k_max=6,
                  policy=DraftPolicy(ahead=True), goodput_gate=True)
     eng.costs = DraftLags(gate=PlainFaster())
+    eng.active = 1  # another request in flight throughout: the gate decides for sequences with company
     out = eng.generate([PROMPTS[0], PROMPTS[2]], greedy())
     assert [r.token_ids for r in out] == [reference[tuple(PROMPTS[0])], reference[tuple(PROMPTS[2])]]
     assert all(r.speculation["drafted_tokens"] == 0 for r in out)
     assert not eng.drafter.batch_sizes  # not beside the prefill, not ahead: the draft never ran
+    # a request alone is its own controller's to decide: its rounds carry every cost it pays
+    eng.active = 0
+    alone = eng.generate([PROMPTS[0]], greedy())[0]
+    assert alone.token_ids == reference[tuple(PROMPTS[0])] and alone.speculation["drafted_tokens"] > 0
+    eng.active = 1
     # a pinned K and a seeded sampled request are the user's and the request's own: not gated
     pinned = eng.generate([PROMPTS[0]], greedy(num_tokens=3))[0]
     seeded = eng.generate([PROMPTS[0]], SamplingParams(temperature=0.8, seed=5, max_tokens=12, ignore_eos=True))[0]

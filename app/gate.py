@@ -1,0 +1,99 @@
+"""The goodput gate: whether speculating emits more tokens per second than plain steps, measured
+at the engine's current load; the driver holds flexible sequences with company to plain steps where
+it does not (app/driver.py)."""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+
+def load_bucket(active: float) -> int:
+    """Sequences in flight, as a power-of-two bucket: 1, 2-3, 4-7, 8-15, ..."""
+    return max(0, int(math.log2(max(active, 1.0))))
+
+
+@dataclass
+class GoodputGate:
+    """Whether speculation pays on this engine at its current load, measured, not modelled.
+
+    The cost model above assumes the draft computes beside the target. Where both share the
+    machine's cores (a CPU node, a small test cluster), drafting takes compute from the target's
+    forwards, and at high load speculation can emit fewer tokens per second than plain steps
+    although every round looks worth it: one sequence's drafting slows the rounds of the others
+    that share its forwards, which no sequence's own controller sees. So where two or more
+    sequences are in flight, time is cut into windows; in each one every flexible sequence either
+    may speculate or takes plain steps. The engine's emitted tokens per second are kept per mode
+    and per load bucket (sequences in flight). The faster mode is used, and the other is tried
+    again one window in `explore`, so a change in load or text is noticed.
+
+    A sequence alone is not gated (the driver asks only with company): its own rounds carry every
+    cost it pays, the wait for its proposal and its verifies slowed by the draft beside them, and
+    its K controller weighs them round by round.
+
+    A window closes after `window_s` and at least `min_rounds` rounds: a rate over a few rounds
+    follows the text (a run of easy tokens), not the mode. A mode's windows at one load are pooled,
+    tokens over seconds, the older ones weighing `memory` per newer window. A window broken by an
+    idle gap (no round for `window_s`) or by a round alone measures nothing.
+
+    Only K that output does not depend on is gated: greedy and unseeded requests, K not pinned.
+    A seeded sampled request's K depends on its own history alone (app/driver.py).
+    """
+
+    clock: Callable[[], float] = time.monotonic
+    window_s: float = 0.5  # short enough to follow the load
+    min_rounds: int = 16  # ...and enough rounds that the text's easy and hard runs average out
+    explore: int = 5  # one window in `explore` tries the mode that measured slower
+    memory: float = 0.5  # weight of a mode's earlier windows at a load against its newest
+    pooled: dict = field(default_factory=dict)  # (speculating, load bucket) -> [tokens, seconds], decayed
+    speculating: bool = True
+    _start: float | None = None  # None: no window open
+    _last: float = 0.0  # the last round's end
+    _tokens: int = 0
+    _load: float = 0.0  # sum over the window's rounds of sequences in flight
+    _rounds: int = 0
+    _since_explore: int = 0
+
+    @property
+    def rates(self) -> dict:
+        """(speculating, load bucket) -> tokens per second, as measured so far."""
+        return {key: tokens / seconds for key, (tokens, seconds) in self.pooled.items()}
+
+    def allows(self) -> bool:
+        """Whether a flexible sequence with company may draft in the window now running."""
+        return self.speculating
+
+    def emitted(self, tokens: int, active: int) -> None:
+        """Record a round's emitted tokens and the sequences in flight as it ended."""
+        now = self.clock()
+        idle = now - self._last > self.window_s
+        self._last = now
+        if active < 2 or idle or self._start is None:  # this round opens the next window
+            self._start, self._tokens, self._load, self._rounds = (now if active >= 2 else None), 0, 0.0, 0
+            return
+        self._tokens += tokens
+        self._load += active
+        self._rounds += 1
+        elapsed = now - self._start
+        if elapsed < self.window_s or self._rounds < self.min_rounds:
+            return
+        key = (self.speculating, load_bucket(self._load / self._rounds))
+        old_tokens, old_seconds = self.pooled.get(key, (0.0, 0.0))
+        self.pooled[key] = [self.memory * old_tokens + self._tokens, self.memory * old_seconds + elapsed]
+        self.speculating = self._next(key[1])
+        self._start, self._tokens, self._load, self._rounds = now, 0, 0.0, 0
+
+    def _next(self, bucket: int) -> bool:
+        rates = self.rates
+        spec, plain = rates.get((True, bucket)), rates.get((False, bucket))
+        if spec is None or plain is None:  # measure the mode not yet seen at this load
+            self._since_explore = 0
+            return spec is None
+        best = spec >= plain
+        self._since_explore += 1
+        if self._since_explore >= self.explore:
+            self._since_explore = 0
+            return not best
+        return best
