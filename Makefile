@@ -47,4 +47,4 @@ fuzz: install-test
 
 # on a machine with one NVIDIA GPU (and a CUDA torch: see TORCH_SPEC above); no Ray, no network
 gpu-check: install-test
-	$(BIN)/python -m tools.gpu_check --isolate 300 --json gpu-check.json
+	$(BIN)/python -m specserve.gpu_check --isolate 300 --json gpu-check.json

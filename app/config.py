@@ -1,6 +1,6 @@
 """How a model loads and caches, and how the engine speculates: each setting defined once.
 
-The in-process `EngineConfig` (app/engine.py) and the served app's config (deployments/config.py,
+The in-process `EngineConfig` (app/engine.py) and the served app's config (deployments/args.py,
 the `args` of cluster/serve_config.yaml) are both made of these.
 """
 

@@ -14,7 +14,7 @@ from typing import Protocol
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from app import telemetry
-from app.compat import check_vocabularies
+from app.pairing import check_vocabularies
 from app.config import DraftSettings, ModelSettings, SpeculationSettings
 from app.controller import CostEstimator, KController, KControllerConfig
 from app.gate import GoodputGate

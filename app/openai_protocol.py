@@ -14,7 +14,7 @@ from app.params import (MAX_LOGIT_BIAS, MAX_SEED, MAX_STOP_CHARS, MAX_STOP_TOKEN
                         MIN_REPETITION_PENALTY, MIN_SEED, MIN_TEMPERATURE, SamplingParams, SpeculationParams,
                         TokenId)
 from app.structured import GUIDED, MAX_CHOICE_STRINGS, MAX_PATTERN_CHARS, StructuredOutputs, constraint
-from app.tools import MAX_TOOLS, Tool, ToolChoice
+from app.tool_calls import MAX_TOOLS, Tool, ToolChoice
 
 MAX_CHOICES = 64  # generations one request may ask for: prompts x n
 MAX_JSON_DEPTH = 64  # nesting of a request body (a JSON schema of 30 nested objects fits)

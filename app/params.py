@@ -105,7 +105,7 @@ class SamplingParams(BaseModel):
     keep_special_token_ids: list[TokenId] = Field(
         default_factory=list, max_length=MAX_KEPT_SPECIALS,
         description="Special tokens shown in the text even when special tokens are skipped: a tool-call format's "
-                    "markers (app/tools.py), which its parser must see.")
+                    "markers (app/tool_calls.py), which its parser must see.")
 
     @field_validator("response_format")
     @classmethod

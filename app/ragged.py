@@ -35,7 +35,7 @@ Inside the op, attention takes one of three paths (`ModelRunner(attention=...)`)
   needs pages of 128-256 positions (BLOCK_SIZE is 16), hence the gather (app/varlen.py). On a CPU,
   where the kernel does not run, a reference of its contract (`varlen_reference`) stands in, so the
   tests check the packing.
-All run on a CPU, and the tests check each (tools/kv_bench.py measures them).
+All run on a CPU, and the tests check each (specserve/kv_bench.py measures them).
 """
 
 import threading

@@ -18,7 +18,7 @@ What is submitted is decided elsewhere, and keeps the invariant useful:
 - a greedy or unseeded round with company never waits for its draft: it takes a plain step
   instead of holding its place (app/driver.py, "never wait with company").
 
-Here: the queue (`ForwardQueue`) over app/batching.py's serial batcher, which applies the budget
+Here: the queue (`ForwardQueue`) over app/coalesce.py's serial batcher, which applies the budget
 and the order. The forward runs in a worker thread, so the event loop keeps streaming and calling
 other pools.
 """
@@ -33,7 +33,7 @@ from collections.abc import Awaitable, Callable
 from typing import Generic, TypeVar
 
 from app import telemetry
-from app.batching import MicroBatcher
+from app.coalesce import MicroBatcher
 from app.errors import is_fault, release_cached_memory
 
 log = logging.getLogger(__name__)

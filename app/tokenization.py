@@ -6,7 +6,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from app.errors import InvalidRequestError
 from app.chat_template import ChatMessage, TemplateControls, chat_prompt_ids
 from app.params import MAX_TOKEN_ID
-from app.tools import MAX_TOOLS, Tool
+from app.tool_calls import MAX_TOOLS, Tool
 
 MAX_DETOKENIZE = 1 << 20  # token ids one /detokenize may send (the body limit bounds it first)
 

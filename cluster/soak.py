@@ -351,7 +351,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     target, draft = args.target, args.draft
     if not (target and draft):
-        from demo import demo_pair
+        from specserve.demo import demo_pair
 
         target, draft = demo_pair()
     if args.overload:

@@ -26,7 +26,7 @@ from ray.serve.exceptions import DeploymentUnavailableError
 from app import telemetry
 from app.chunks import Chunk
 from app.job import GenerationJob
-from deployments.config import AppConfig
+from deployments.args import AppConfig
 from deployments.metrics import DispatchMetrics, VLLMMetrics
 from deployments.tp import RankFailure
 

@@ -12,7 +12,7 @@ import asyncio
 import logging
 from collections.abc import Callable
 
-from app.batching import MicroBatcher
+from app.coalesce import MicroBatcher
 from app.driver import DraftUnavailable
 from app.spec import Proposal, ProposeItem, family, parent_of
 from deployments.affinity import Calls, Homes, members

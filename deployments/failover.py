@@ -31,7 +31,7 @@ from pydantic import BaseModel, Field, ValidationError
 from app.chunks import ResumeState
 from app.openai_protocol import MAX_CHOICES, error_body
 from app.openai_responses import sse_event
-from deployments.config import LimitsConfig
+from deployments.args import LimitsConfig
 
 log = logging.getLogger("ray.serve")
 

@@ -37,8 +37,8 @@ from app.request import streamed_text
 from app.sources import local_model, log_into
 from app.tokenization import (DetokenizeRequest, TokenizeChatRequest, TokenizeCompletionRequest, detokenize,
                               tokenize)
-from app.tools import PARSERS, enforced_tools, special_markers
-from deployments.config import AppConfig, chat_template_text
+from app.tool_calls import PARSERS, enforced_tools, special_markers
+from deployments.args import AppConfig, chat_template_text
 from deployments.dispatch import Dispatcher
 from deployments.failover import GUARD_HEADER, RESUME_HEADER, read_resume
 from deployments.http_api import APIError, api, invalid, narrow_schema
@@ -81,7 +81,7 @@ class Ingress:
                                         source=context.replica_id.unique_id)
         self.dispatch = Dispatcher(target, cfg, self.vllm_metrics)
         self.grammars = Grammars(self.tokenizer, len(self.tokenizer))  # tokens' bytes, as llguidance reads them
-        # how this model writes tool calls (app/tools.py); None: requests offering tools are refused
+        # how this model writes tool calls (app/tool_calls.py); None: requests offering tools are refused
         self.tool_parser = PARSERS[cfg.tool_call_parser] if cfg.tool_call_parser else None
         self.tool_markers = special_markers(self.tokenizer, self.tool_parser) if self.tool_parser else {}
         narrow_schema(model_name, cfg.limits.max_tokens_cap)
@@ -367,7 +367,7 @@ class Ingress:
 
     def _tool_constraint(self, body, sampling: SamplingParams) -> SamplingParams:
         """A request offering tools: its format's markers kept in its text, and a required or named
-        call as a grammar of the format (app/tools.py)."""
+        call as a grammar of the format (app/tool_calls.py)."""
         if self.tool_markers:
             sampling = sampling.model_copy(update={"keep_special_token_ids": sorted(self.tool_markers.values())})
         try:

@@ -29,7 +29,7 @@ from app.sources import local_model, log_into
 from app.spec import Proposal, propose, verify, verify_tokens
 from deployments.affinity import Calls
 from deployments.autoscaling import CallerWaits, Observers, RoundLoad
-from deployments.config import (
+from deployments.args import (
     BatchConfig,
     ModelConfig,
     SpeculationConfig,
@@ -161,7 +161,7 @@ class TargetServer(_Server):
         path = local_model(path, cfg.revision, cfg.download_dir)  # fetched once per node; its ranks share it
         self.ranks: RankGroup | None = None
         if cfg.tensor_parallel_size == 1:
-            # logits for the verify rows and each prompt's last position (tools/plan.py counts the same)
+            # logits for the verify rows and each prompt's last position (specserve/plan.py counts the same)
             rows = batch.max_batch_size * (speculation.k_max + 2)
             self.runner = load_runner(path, cfg, batch.max_batch_tokens, logit_rows=rows, batch=batch.max_batch_size)
             tokenizer, vocab, eos = self.runner.tokenizer, self.runner.vocab_size, self.runner.eos_ids

@@ -9,7 +9,7 @@ from ray.serve.exceptions import BackPressureError
 
 from app.errors import InvalidRequestError
 from app.chunks import Chunk, ResumeState
-from app.tools import Parser, ToolStream
+from app.tool_calls import Parser, ToolStream
 from app.openai_protocol import error_body
 from app.openai_responses import ChoiceView, combined_speculation, completion_body, sse_event, usage_body
 from deployments.failover import marker
@@ -81,7 +81,7 @@ async def sse_events(rid: str, model_name: str, live: list[int], firsts: list[Ch
     With `tools`
     (the model's tool-call format), text that may begin a call is held back and calls are sent as
     `tool_calls` deltas as they are written; `sent`: for a resumed stream, each choice's text so far
-    (app/tools.py, ToolStream)."""
+    (app/tool_calls.py, ToolStream)."""
     queue: asyncio.Queue = asyncio.Queue()
     loop = asyncio.get_running_loop()
 

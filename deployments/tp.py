@@ -23,7 +23,7 @@ from app.errors import ReplicaFault, is_fault
 from app.loading import load_runner, warm_up
 from app.memory import agree_on_budget
 from app.spec import Verdict, VerifyItem, verify
-from deployments.config import TargetConfig
+from deployments.args import TargetConfig
 
 
 class RankFailure(ReplicaFault):

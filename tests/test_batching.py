@@ -4,7 +4,7 @@ import asyncio
 
 import pytest
 
-from app.batching import MicroBatcher
+from app.coalesce import MicroBatcher
 
 
 def test_calls_of_one_turn_fuse_per_key():

@@ -7,7 +7,7 @@ import json
 import pytest
 import torch
 
-from tools import bench
+from specserve import bench
 
 KEYS = ["output_tokens_per_s", "ttft_ms", "tpot_ms", "itl_ms", "tau", "acceptance_rate", "alpha",
         "acceptance_by_position", "mean_k", "c_measured", "c_estimator", "bound", "speedup", "efficiency",
@@ -57,7 +57,7 @@ def test_every_mode_reports_every_key(model_dirs, tmp_path, capsys):
 
 
 def test_a_mismatch_of_our_modes_fails_the_run(model_dirs, tmp_path, monkeypatch, capsys):
-    from tools import bench_runs
+    from specserve import bench_runs
 
     real = bench_runs.run_engine
 
@@ -90,7 +90,7 @@ def test_prompts_file_formats(tmp_path, text, expected):
 
 
 def test_prefill_bench_reports_both_modes(model_dirs, capsys):
-    from tools import prefill_bench
+    from specserve import prefill_bench
 
     threads = str(torch.get_num_threads())  # leave the suite's setting as it was
     assert prefill_bench.main(["--target", model_dirs["target"], "--streams", "2", "--prompt-tokens", "150",
@@ -108,7 +108,7 @@ def test_draft_ahead_is_off_in_process_unless_asked(model_dirs, tmp_path):
 
 def test_constraint_bench_reports_each_constraint(tmp_path, capsys):
     from serving import save_tiny_pair
-    from tools import constraint_bench
+    from specserve import constraint_bench
 
     target, draft = save_tiny_pair(tmp_path, byte_level=True, special_tokens=["[TOOL_CALLS]"])
     assert constraint_bench.main(["--target", target, "--draft", draft, "--prompts", "2", "--max-tokens", "12",

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from tools import bench, bench_http
+from specserve import bench, bench_http
 from serving import running_app, save_tiny_pair
 
 pytestmark = pytest.mark.slow

@@ -131,7 +131,7 @@ def test_a_chat_without_max_tokens_runs_to_the_context_end():
 
 def test_a_mismatched_draft_is_refused_before_the_app_starts(model_dirs, target_model, tmp_path):
     from app.errors import VocabularyMismatchError
-    from deployments.app import build_app
+    from deployments.application import build_app
 
     other = make_tokenizer()
     other.add_tokens(["<extra>"])

@@ -18,7 +18,7 @@ pytestmark = pytest.mark.slow
 def test_sigterm_stops_the_app_and_its_cluster_and_exits_0(tmp_path):
     target, draft = save_tiny_pair(tmp_path)
     port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "tools.cli", "serve", "--target", target, "--draft", draft,
+    proc = subprocess.Popen([sys.executable, "-m", "specserve.cli", "serve", "--target", target, "--draft", draft,
                              "--port", str(port), "--host", "127.0.0.1"],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
                             env={**os.environ, "RAY_AUTH_MODE": "disabled"})

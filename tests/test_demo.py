@@ -15,9 +15,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from demo import build, build_cli, corpus, train
-from demo.build import demo_pair, pair_dir
-from demo.measure import measure_pair, replay_rounds
+from specserve.demo import build, build_cli, corpus, train
+from specserve.demo.build import demo_pair, pair_dir
+from specserve.demo.measure import measure_pair, replay_rounds
 
 
 @pytest.fixture(scope="module")
@@ -118,7 +118,7 @@ def test_heldout_prompts_are_unseen():
 def test_greedy_sequences_are_the_targets_greedy_text(quick_pair):
     """The draft learns on exactly what greedy decoding produces, against the target's distribution
     at each position, recorded on the way."""
-    from demo.measure import greedy_continuation
+    from specserve.demo.measure import greedy_continuation
 
     target_dir, _, _ = quick_pair
     # float32: batched and single-sequence decoding then agree to far below an argmax tie
@@ -191,7 +191,7 @@ def test_a_cpu_without_native_bf16_builds_the_pair_without_one_bf16_matmul(monke
 
 
 def test_muon_orthogonalises_in_the_dtype_it_is_given():
-    from demo.muon import Muon, orthogonalise
+    from specserve.demo.muon import Muon, orthogonalise
 
     g = torch.randn(96, 32, generator=torch.Generator().manual_seed(0))
     s = torch.linalg.svdvals(orthogonalise(g, torch.float32))
@@ -214,7 +214,7 @@ def test_muon_orthogonalises_in_the_dtype_it_is_given():
 
 
 def test_a_build_far_slower_than_the_reference_says_so_once(capsys):
-    from demo.progress import BuildProgress
+    from specserve.demo.progress import BuildProgress
 
     now = [0.0]
     bar = BuildProgress(total=100, bf16=True, enabled=True, clock=lambda: now[0])
@@ -234,7 +234,7 @@ def test_a_build_far_slower_than_the_reference_says_so_once(capsys):
 
 
 def test_a_recipe_trial_changes_only_the_fields_it_names():
-    from demo.trial import trial_plan
+    from specserve.demo.trial import trial_plan
 
     plan = trial_plan({"target_steps": 7, "target": {"layers": 2, "hidden": 64, "intermediate": 128, "heads": 2}})
     full = train.PLANS["full"]

@@ -11,7 +11,7 @@ from app.job import GenerationJob
 from app.params import SamplingParams
 from app.runner import ModelRunner
 from conftest import blend
-from deployments.config import AppConfig
+from deployments.args import AppConfig
 from deployments.dispatch import Dispatcher
 from deployments.metrics import VLLMMetrics
 

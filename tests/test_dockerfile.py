@@ -1,12 +1,12 @@
 """The image copies every local package the served app and the CLI import (k8s/Dockerfile): a
-`specserve demo-models` in the DEMO image once failed for want of `demo/` and `tools/`."""
+`specserve demo-models` in the DEMO image once failed for want of `specserve/demo/` and `specserve/`."""
 
 import ast
 import re
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-ENTRY_POINTS = ("tools/cli.py", "deployments/app.py")  # the console script, the Serve import_path
+ENTRY_POINTS = ("specserve/cli.py", "deployments/application.py")  # the console script, the Serve import_path
 
 
 def local_packages() -> set[str]:
@@ -35,7 +35,7 @@ def imported_locals(start: list[Path], local: set[str]) -> set[str]:
 def test_the_image_copies_every_local_package_the_entry_points_reach():
     copied = set(re.findall(r"^COPY\s+(?:--\S+\s+)*(\S+)\s+\1\s*$", (ROOT / "k8s/Dockerfile").read_text(), re.M))
     reached = imported_locals([ROOT / p for p in ENTRY_POINTS], local_packages())
-    assert {"app", "deployments", "tools", "demo"} <= reached  # the walk sees lazy imports too
+    assert {"app", "deployments", "specserve"} <= reached  # the walk sees lazy imports too
     assert reached <= copied, f"imported but not copied into the image: {sorted(reached - copied)}"
-    # and the shipped draft's weights go with demo/ (package data, pyproject.toml)
-    assert '"demo" = ["weights/smollm2-draft/*"]' in (ROOT / "pyproject.toml").read_text()
+    # and the shipped draft's weights go with specserve/demo/ (package data, pyproject.toml)
+    assert '"specserve.demo" = ["weights/smollm2-draft/*"]' in (ROOT / "pyproject.toml").read_text()

@@ -134,8 +134,8 @@ def test_the_compiled_check_still_sees_a_wrong_head_beside_floor_logits():
 
 
 def test_the_ranking_puts_what_the_draft_proposes_first(target_model):
-    """demo.distill.token_ranking: the draft's argmax counts first, then the text's own counts, then id order."""
-    from demo.distill import token_ranking
+    """specserve.demo.distill.token_ranking: the draft's argmax counts first, then the text's own counts, then id order."""
+    from specserve.demo.distill import token_ranking
 
     draft = blend(target_model, 7, 0.85)
     texts = [[5, 9, 9, 30, 31, 5], [40, 41, 42, 43, 44, 45, 46, 47, 9]]

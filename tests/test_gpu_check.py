@@ -5,7 +5,7 @@ import json
 import pytest
 import torch
 
-from tools import gpu_check
+from specserve import gpu_check
 
 
 def test_the_gpu_check_runs_end_to_end_at_smoke_sizes(tmp_path):

@@ -192,7 +192,7 @@ def serve_rules(rs: dict) -> dict:
     from ray.serve.config import AutoscalingConfig
     from ray.serve.schema import ServeDeploySchema
 
-    from deployments.config import AppConfig
+    from deployments.args import AppConfig
 
     config = yaml.safe_load(rs["spec"]["serveConfigV2"])
     try:
@@ -282,8 +282,8 @@ def consistency_rules(rs: dict) -> None:
     check(not deps["TargetServer"].get("ray_actor_options", {}).get("num_gpus"),
           "TargetServer's GPUs belong to its rank workers' placement group, not the replica actor")
     if tp > 1:  # the placement group build_app reserves must fit the pod and hold the replica
-        from deployments.app import tensor_parallel_options
-        from deployments.config import AppConfig
+        from deployments.application import tensor_parallel_options
+        from deployments.args import AppConfig
 
         bundles = tensor_parallel_options(AppConfig.model_validate(app["args"]))["placement_group_bundles"]
         check(sum(b.get("GPU", 0) for b in bundles) == target_gpus,
@@ -333,8 +333,8 @@ def exposure_rules(rs: dict) -> None:
 def memory_rules(rs: dict) -> None:
     """On GPU pools each model's weights (per rank), working buffers and KV cache fit its GPU's
     memory_utilization share, and the KV cache holds one sequence of max_model_len: `specserve plan`'s
-    figures (tools/plan.py: the models' real configs on the meta device, app/memory.py's formulas)."""
-    from tools.plan import _manifest_gpus, plan_app
+    figures (specserve/plan.py: the models' real configs on the meta device, app/memory.py's formulas)."""
+    from specserve.plan import _manifest_gpus, plan_app
 
     serve = yaml.safe_load(rs["spec"]["serveConfigV2"])
     for row in plan_app(serve["applications"][0]["args"], _manifest_gpus(rs, serve)):
@@ -489,7 +489,7 @@ BROKEN = {
     "serve min > max replicas": lambda rs: edit_serve(
         rs, lambda c, d: d["TargetServer"]["autoscaling_config"].update(min_replicas=3, max_replicas=2)),
     "import_path missing": lambda rs: edit_serve(
-        rs, lambda c, d: c["applications"][0].update(import_path="deployments.app:no_such_builder")),
+        rs, lambda c, d: c["applications"][0].update(import_path="deployments.application:no_such_builder")),
     "serve bound to loopback": lambda rs: edit_serve(rs, lambda c, d: c["http_options"].update(host="127.0.0.1")),
     "tensor parallel != pod GPUs": lambda rs: edit_serve(
         rs, lambda c, d: c["applications"][0]["args"]["target"].update(tensor_parallel_size=8)),

@@ -1,7 +1,7 @@
 """The packages' layering, read from the source's import statements (those inside functions too).
 
-app/ (the engine) imports neither Ray nor the serving layers nor the tooling; demo/ builds on the
-engine; deployments/ and cluster/ serve it; tools/ (CLI, benchmarks, GPU check) sits on top. No
+app/ (the engine) imports neither Ray nor the serving layers nor the tooling; specserve/demo/ builds on the
+engine; deployments/ and cluster/ serve it; specserve/ (CLI, benchmarks, GPU check) sits on top. No
 module imports, directly or through others, a module that imports it back.
 """
 
@@ -11,15 +11,20 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-PACKAGES = ("app", "demo", "deployments", "cluster", "tools")
-# what each package may import of the others (and of Ray); everything else is off limits
+PACKAGES = ("app", "deployments", "cluster", "specserve")
+# the layers, and what each may import of the others (and of Ray); everything else is off limits
 ALLOWED = {
     "app": set(),
-    "demo": {"app"},
-    "deployments": {"app", "demo", "ray"},
-    "cluster": {"app", "demo", "deployments", "ray"},
-    "tools": {"app", "demo", "deployments", "cluster", "ray"},
+    "specserve.demo": {"app"},
+    "deployments": {"app", "specserve.demo", "ray"},
+    "cluster": {"app", "specserve.demo", "deployments", "ray"},
+    "specserve": {"app", "specserve.demo", "deployments", "cluster", "ray"},
 }
+
+
+def layer(module: str) -> str:
+    """The layer a module belongs to: the pair builder (specserve.demo) is below the rest of the tooling."""
+    return "specserve.demo" if module == "specserve.demo" or module.startswith("specserve.demo.") else module.split(".")[0]
 
 
 def modules() -> dict[str, Path]:
@@ -59,14 +64,14 @@ def graph() -> dict[str, set[str]]:
 
 
 def test_the_scan_sees_the_packages(graph):
-    assert {"app.engine", "deployments.servers", "tools.cli", "demo.build", "cluster.local"} <= set(graph)
+    assert {"app.engine", "deployments.servers", "specserve.cli", "specserve.demo.build", "cluster.local"} <= set(graph)
     assert "app.engine" in graph["deployments.servers"]  # a real import, found
 
 
-@pytest.mark.parametrize("package", PACKAGES)
+@pytest.mark.parametrize("package", sorted(ALLOWED))
 def test_each_package_imports_only_the_layers_below_it(graph, package):
-    wrong = sorted(f"{mod} -> {dep}" for mod, deps in graph.items() if mod.split(".")[0] == package
-                   for dep in deps if dep.split(".")[0] not in ALLOWED[package] | {package})
+    wrong = sorted(f"{mod} -> {dep}" for mod, deps in graph.items() if layer(mod) == package
+                   for dep in deps if layer(dep) not in ALLOWED[package] | {package})
     assert not wrong, wrong
 
 
@@ -94,3 +99,29 @@ def test_no_source_file_outgrows_a_sitting():
     """A module a newcomer reads in one go: about 400 lines at most (split by concern past that)."""
     long = {name: n for name, path in modules().items() if (n := len(path.read_text().splitlines())) > 420}
     assert not long, long
+
+
+def test_the_wheel_installs_no_generic_top_level_package(tmp_path):
+    """A user's own `tools` or `demo` module must never meet one of ours in site-packages: the built
+    wheel holds only the design's top-level packages, the tooling under `specserve`."""
+    import shutil
+    import subprocess
+    import sys
+    import zipfile
+
+    def unpackaged(folder: str, names: list[str]) -> set[str]:
+        top = Path(folder) == ROOT
+        return {n for n in names if n == "__pycache__" or n.endswith(".egg-info")
+                or top and n in (".git", ".venv", "build", "tests", "docs", "k8s")}
+
+    pytest.importorskip("setuptools")  # the build backend, from the venv (no network for an isolated build)
+    src = tmp_path / "src"  # a copy: a build writes build/ and *.egg-info beside its sources
+    shutil.copytree(ROOT, src, ignore=unpackaged)
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w",
+                    str(tmp_path), str(src)], check=True, capture_output=True, timeout=600)
+    (wheel,) = tmp_path.glob("*.whl")
+    names = zipfile.ZipFile(wheel).namelist()
+    tops = {n.split("/")[0] for n in names if not n.split("/")[0].endswith((".dist-info", ".data"))}
+    assert tops == {"app", "deployments", "cluster", "specserve"}, tops
+    assert "specserve/cli.py" in names and "specserve/demo/smollm2.py" in names
+    assert any(n.startswith("specserve/demo/weights/smollm2-draft/") for n in names)  # the shipped draft

@@ -50,7 +50,7 @@ def real_config(name: str):
 
     from transformers import AutoConfig
 
-    from tools.plan import CONFIGS
+    from specserve.plan import CONFIGS
 
     return AutoConfig.for_model(**json.loads((CONFIGS / name / "config.json").read_text()))
 

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tools import plan
+from specserve import plan
 
 ROOT = Path(__file__).resolve().parents[1]
 FILES = sorted(str(p.relative_to(ROOT)) for p in (ROOT / "k8s").glob("ray-service.*.yaml")) + [
@@ -17,7 +17,7 @@ EIGHT_B_GPUS = ["--gpu", "TargetServer=NVIDIA-H100-80GB-HBM3", "--gpu", "DraftSe
 
 
 def run_plan(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "tools.cli", "plan", *args], cwd=ROOT, capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "specserve.cli", "plan", *args], cwd=ROOT, capture_output=True, text=True,
                           timeout=300)
 
 

@@ -12,7 +12,7 @@ import pytest
 import torch
 from scipy import stats
 
-from demo import smollm2
+from specserve.demo import smollm2
 
 ROOT = smollm2.pair_root()
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(
@@ -27,7 +27,7 @@ def pair() -> tuple[str, str]:
 
 
 def _ids(tok, prompt: dict) -> list[int]:
-    from demo.measure import prompt_ids
+    from specserve.demo.measure import prompt_ids
 
     return prompt_ids(tok, prompt)[0].tolist()
 

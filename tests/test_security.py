@@ -92,7 +92,7 @@ def test_the_key_is_never_logged(http):
 
 def test_remote_code_is_off_and_serve_binds_loopback_by_default():
     from cluster.local import load_config
-    from deployments.config import AppConfig
+    from deployments.args import AppConfig
 
     cfg = AppConfig.model_validate(load_config()["applications"][0]["args"])
     assert not cfg.target.trust_remote_code and not cfg.draft.trust_remote_code

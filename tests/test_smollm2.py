@@ -11,8 +11,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
-from demo import distill, smollm2, teacher_text
-from demo.measure import acceptance_by_position, replay_rounds
+from specserve.demo import distill, smollm2, teacher_text
+from specserve.demo.measure import acceptance_by_position, replay_rounds
 
 TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"] + [chr(c) for c in range(97, 123)] + ["Ġ", "Ċ", "ab", "abc"]
 TEMPLATE = "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"

@@ -115,7 +115,7 @@ def test_template_controls_out_of_bounds_are_refused(body, why):
 
 
 def test_a_configured_chat_template_is_a_template_or_a_file(tmp_path):
-    from deployments.config import AppConfig
+    from deployments.args import AppConfig
 
     path = tmp_path / "template.jinja"
     path.write_text(TEMPLATE)

@@ -1,12 +1,12 @@
 """A streamed choice with tools that fails over to another ingress replica: the client's stream
-goes on as if it had not (deployments/streams.py and app/tools.py's ToolStream, against the state
+goes on as if it had not (deployments/streams.py and app/tool_calls.py's ToolStream, against the state
 the proxy's failover keeps, deployments/failover.py)."""
 
 import json
 
 import pytest
 
-from app.tools import PARSERS
+from app.tool_calls import PARSERS
 from conftest import make_byte_tokenizer
 from test_tools import WRITTEN, assemble
 

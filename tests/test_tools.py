@@ -1,4 +1,4 @@
-"""Tool calling (app/tools.py): each family's format parsed into OpenAI's tool_calls, streamed
+"""Tool calling (app/tool_calls.py): each family's format parsed into OpenAI's tool_calls, streamed
 without showing a call as text, and forced by a grammar when a call is required; the forced output
 is exact under speculation and its calls are valid against their schemas."""
 
@@ -12,7 +12,7 @@ from app.errors import InvalidRequestError
 from app.grammar import Grammars, grammar_of
 from app.params import parse_sampling
 from app.runner import ModelRunner
-from app.tools import PARSERS, NamedToolChoice, Tool, ToolStream, enforced_tools, special_markers
+from app.tool_calls import PARSERS, NamedToolChoice, Tool, ToolStream, enforced_tools, special_markers
 from conftest import blend, make_byte_tokenizer, make_model
 from test_grammar import constrained_reference
 

@@ -8,7 +8,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from app.job import GenerationJob
 from app.params import SamplingParams
-from deployments.config import AppConfig
+from deployments.args import AppConfig
 from deployments.dispatch import Dispatcher
 from test_dispatch import TargetPool
 from deployments.metrics import (GAUGE_TTL_S, HEARTBEAT_S, VLLM_ITL_S, VLLM_REQUEST_S, VLLM_TTFT_S, GaugeReport,

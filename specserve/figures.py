@@ -72,7 +72,7 @@ def fmt(x, spec: str = ".2f") -> str:
 def load_prompts(path: str | None, num: int | None) -> tuple[list[str], list[str]]:
     """(prompts, names): a jsonl file with a "prompt" field, plain text lines, or the held-out set."""
     if path is None:
-        from demo.corpus import load_heldout_prompts
+        from specserve.demo.corpus import load_heldout_prompts
 
         items = [(p["prompt"], p.get("id", str(i))) for i, p in enumerate(load_heldout_prompts())]
     else:

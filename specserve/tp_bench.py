@@ -1,6 +1,6 @@
 """Per-round verify time of the target at tensor_parallel_size 1 and N, on this machine's devices.
 
-    python -m tools.tp_bench --target DIR [--tp 2] [--k 4] [--batch 1,8] [--rounds 20]
+    python -m specserve.tp_bench --target DIR [--tp 2] [--k 4] [--batch 1,8] [--rounds 20]
 
 On CPU the ranks are processes over gloo: this shows that sharding is correct and what it costs,
 not a speed-up (two ranks share the same cores). The ranks are started with torch.multiprocessing,

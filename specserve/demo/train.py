@@ -23,7 +23,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, 
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
 from app.hf_compat import returned_cache, with_cache
-from demo.muon import Muon
+from specserve.demo.muon import Muon
 
 BOS, EOS = "<s>", "</s>"
 

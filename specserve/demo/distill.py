@@ -28,8 +28,8 @@ import torch.nn.functional as F
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedModel
 
 from app.draft_vocab import RANKING
-from demo.teacher_text import TextPlan, load_shard
-from demo.train import _Optimizer, autocast
+from specserve.demo.teacher_text import TextPlan, load_shard
+from specserve.demo.train import _Optimizer, autocast
 
 
 @dataclass(frozen=True)
@@ -208,7 +208,7 @@ def build_draft(target_dir: Path, out: Path, work: Path, recipe: DraftRecipe = R
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from app import dtypes
-    from demo.teacher_text import generate_shards
+    from specserve.demo.teacher_text import generate_shards
 
     bf16 = dtypes.native_bf16(device)
     t0 = time.time()
@@ -244,7 +244,7 @@ def build_draft(target_dir: Path, out: Path, work: Path, recipe: DraftRecipe = R
     distill(draft, paths, recipe.plan, bf16, step_done)
     bar.close()
     out.mkdir(parents=True, exist_ok=True)
-    write_ranking(out, draft.eval(), teacher_sequences(paths), "demo.distill.build_draft: the recipe's teacher text")
+    write_ranking(out, draft.eval(), teacher_sequences(paths), "specserve.demo.distill.build_draft: the recipe's teacher text")
     draft.to("cpu", torch.bfloat16).save_pretrained(out)
     copy_tokenizer(target_dir, out)
     record = {"recipe": asdict(recipe), "teacher_tokens": tokens[0], "compute_dtype": "bfloat16" if bf16 else "float32",

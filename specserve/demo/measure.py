@@ -14,7 +14,7 @@ import time
 import torch
 from transformers import PreTrainedModel
 
-from demo.corpus import load_heldout_prompts
+from specserve.demo.corpus import load_heldout_prompts
 from app.hf_compat import returned_cache, with_cache
 from app.runner import eos_ids, load_model
 
@@ -98,8 +98,8 @@ def step_ms(model: PreTrainedModel, context: int = 128, steps: int = 40) -> floa
 @torch.no_grad()
 def heldout_loss(model_dir: str, windows: int = 32, length: int = 256) -> float:
     """Cross-entropy (nats per token) of a saved model on random windows of the held-out modules."""
-    from demo.corpus import heldout_files, read_source
-    from demo.train import encode_corpus, sample_batch
+    from specserve.demo.corpus import heldout_files, read_source
+    from specserve.demo.train import encode_corpus, sample_batch
 
     model, tok = load_model(model_dir, dtype="float32")
     stream = encode_corpus(tok, [read_source(p) for p in heldout_files()])

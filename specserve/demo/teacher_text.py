@@ -151,7 +151,7 @@ def code_prompts(n: int, max_chars: int, rng: random.Random) -> list[str]:
     """Function heads from the standard library's training modules (never the held-out ones)."""
     import ast
 
-    from demo.corpus import read_source, training_files
+    from specserve.demo.corpus import read_source, training_files
 
     files, out = training_files(), []
     while len(out) < n:

@@ -40,14 +40,14 @@ import torch._dynamo
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
 from app import dtypes
-from tools.bench_runs import K_MATCHED, MODES, Mode, forward_ms, run_engine, run_hf
+from specserve.bench_runs import K_MATCHED, MODES, Mode, forward_ms, run_engine, run_hf
 from app.driver import DraftPolicy
 from app.engine import Engine
 from app.params import SamplingParams
 from app.runner import ModelRunner, SeqInput
 from app.sampling import process_logits, rejection_sample
 
-log = logging.getLogger("tools.gpu_check")  # not __name__: run as __main__
+log = logging.getLogger("specserve.gpu_check")  # not __name__: run as __main__
 VOCAB = 32000
 NO_NATIVE_BF16 = "this device has no native bf16 matmul (torch would take its scalar fallback): not run"
 
@@ -353,14 +353,14 @@ def benchmark(device: str, smoke: bool) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m tools.gpu_check", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m specserve.gpu_check", description=__doc__.splitlines()[0])
     p.add_argument("--device", default="cuda", help="torch device (default cuda)")
     p.add_argument("--smoke", action="store_true", help="tiny sizes: the same code in seconds, e.g. on a CPU")
     p.add_argument("--json", help="write the report here")
     p.add_argument("--only", help="comma-separated steps to run (default all): identity_fp32, identity_bf16, "
                                   "sampling, attention, served_path, production_path, benchmark")
     p.add_argument("--isolate", type=float, metavar="SECONDS",
-                   help="each step in a process of its own, stopped after SECONDS (tools/gpu_steps.py)")
+                   help="each step in a process of its own, stopped after SECONDS (specserve/gpu_steps.py)")
     args = p.parse_args(argv)
     # the engine's progress (each compiled bucket, the budget) with seconds since start: a step that
     # runs out of its time says where it was
@@ -387,7 +387,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.isolate:
         import tempfile
 
-        from tools.gpu_steps import run_isolated
+        from specserve.gpu_steps import run_isolated
 
         extra = ["--device", args.device] + (["--smoke"] if args.smoke else [])
         with tempfile.TemporaryDirectory() as tmp:

@@ -131,7 +131,7 @@ def plan_model(name: str, settings, config: dict, gpu: str | None, forward_token
 
 def plan_app(args: dict, gpus: dict[str, str | None]) -> list[Row]:
     """Rows for the application's DraftServer (when it has a draft) and TargetServer."""
-    from deployments.config import AppConfig
+    from deployments.args import AppConfig
 
     cfg = AppConfig.model_validate(args)
     target_rows = cfg.target_batch.max_batch_size * (cfg.speculation.k_max + 2)  # as deployments/servers.py

@@ -1,6 +1,6 @@
 """A recipe trial: build a demo pair from the full plan with some fields changed, and measure it.
 
-    python -m demo.trial OUT '{"target_steps": 400, "target": {"layers": 4, "hidden": 256,
+    python -m specserve.demo.trial OUT '{"target_steps": 400, "target": {"layers": 4, "hidden": 256,
                                    "intermediate": 768, "heads": 4}}'
 
 Prints one JSON line: the build's phase times and compute dtype, held-out loss of the target,
@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from demo import build, measure, train
+from specserve.demo import build, measure, train
 
 
 def trial_plan(changes: dict) -> train.BuildPlan:
@@ -27,7 +27,7 @@ def trial_plan(changes: dict) -> train.BuildPlan:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m demo.trial", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m specserve.demo.trial", description=__doc__.splitlines()[0])
     p.add_argument("out", type=Path, help="directory to build into (replaced)")
     p.add_argument("changes", nargs="?", default="{}", help="JSON object of BuildPlan fields to change")
     p.add_argument("--seed", type=int, default=0)

@@ -32,8 +32,8 @@ from tqdm.auto import tqdm
 
 from app.controller import CostEstimator, expected_speedup
 from app.engine import Engine
-from tools.bench_runs import MODES, Mode, PromptRun, measure_costs, measure_syncs, run_one
-from tools.figures import (WARMUP_TOKENS, ExactnessError, differences, fmt, latency_summary, load_prompts,
+from specserve.bench_runs import MODES, Mode, PromptRun, measure_costs, measure_syncs, run_one
+from specserve.figures import (WARMUP_TOKENS, ExactnessError, differences, fmt, latency_summary, load_prompts,
                            write_outputs)
 
 
@@ -264,7 +264,7 @@ def add_bench_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
 def _load(args) -> Engine:
     target, draft = args.target, args.draft
     if not target or not draft:
-        from demo import pair
+        from specserve.demo import pair
 
         pair_target, pair_draft = pair("quick" if args.quick else args.pair)
         target, draft = target or pair_target, draft or pair_draft

@@ -1,7 +1,7 @@
 """How attention should read a paged KV cache on this machine: ms per layer for each way of reading it.
 
-    python -m tools.kv_bench [--sequences 16] [--rows 5] [--keys 300] [--heads 4] [--head-dim 64]
-    python -m tools.kv_bench --model DIR [--compile default|off]    # a model's whole forwards
+    python -m specserve.kv_bench [--sequences 16] [--rows 5] [--keys 300] [--heads 4] [--head-dim 64]
+    python -m specserve.kv_bench --model DIR [--compile default|off]    # a model's whole forwards
 
 A batch of `sequences` sequences with `rows` new query rows each and `keys` to `keys + 7 * sequences`
 cached positions, in blocks of app.kv.BLOCK_SIZE, read four ways: a view of one run of the

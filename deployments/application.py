@@ -11,10 +11,10 @@ from ray.serve import Application
 from ray.serve.config import RequestRouterConfig
 from transformers import AutoConfig, AutoTokenizer
 
-from app.compat import check_vocabularies
+from app.pairing import check_vocabularies
 from app.sources import local_model
 from deployments.affinity import ChoiceGroupRouter, SessionAffinityRouter
-from deployments.config import AppConfig
+from deployments.args import AppConfig
 from deployments.ingress import Ingress
 from deployments.servers import DraftServer, TargetServer
 
@@ -23,7 +23,7 @@ def resolve_models(cfg: AppConfig) -> tuple[str, str | None]:
     """Model paths; unnamed models come from the built pair `cfg.pair` (built on first use)."""
     target, draft = cfg.target.model, cfg.draft.model if cfg.draft else None
     if target is None or (cfg.draft is not None and draft is None):
-        from demo import pair
+        from specserve.demo import pair
 
         pair_target, pair_draft = pair(cfg.pair)
         target = target or pair_target

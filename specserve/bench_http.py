@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 import httpx
 from tqdm.auto import tqdm
 
-from tools.figures import (WARMUP_TOKENS, ExactnessError, Timed, differences, fmt, latency_summary, load_prompts,
+from specserve.figures import (WARMUP_TOKENS, ExactnessError, Timed, differences, fmt, latency_summary, load_prompts,
                            write_outputs)
 
 DEFAULT_MODES = ("target", "spec-auto")

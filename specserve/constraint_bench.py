@@ -1,6 +1,6 @@
 """Speculation under output constraints: acceptance and tokens per round with and without a grammar.
 
-    python -m tools.constraint_bench [--target DIR --draft DIR] [--prompts 8] [--max-tokens 64] [--k 4]
+    python -m specserve.constraint_bench [--target DIR --draft DIR] [--prompts 8] [--max-tokens 64] [--k 4]
 
 In process, greedy, fixed K, on the demo's held-out code prompts. One row per constraint: none, any
 JSON object, a regex, and a forced tool call in `--tool-parser`'s format. A grammar masks the draft
@@ -12,7 +12,7 @@ import argparse
 import json
 
 from app.engine import Engine
-from app.tools import PARSERS, Tool, special_markers
+from app.tool_calls import PARSERS, Tool, special_markers
 
 WEATHER = Tool.model_validate({"type": "function", "function": {"name": "get_weather", "parameters": {
     "type": "object", "properties": {"city": {"type": "string", "maxLength": 12}, "unit": {"enum": ["c", "f"]}},
@@ -39,7 +39,7 @@ def measure(engine: Engine, prompts: list[str], fmt: dict | None, k: int, max_to
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m tools.constraint_bench", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m specserve.constraint_bench", description=__doc__.splitlines()[0])
     p.add_argument("--target", help="target model: hub id or local directory (default: the demo pair)")
     p.add_argument("--draft", help="draft model (with --target)")
     p.add_argument("--prompts", type=int, default=8, help="held-out code prompts to run")
@@ -49,8 +49,8 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if (args.target is None) != (args.draft is None):
         p.error("give --target and --draft together, or neither (the demo pair)")
-    from demo import demo_pair
-    from demo.corpus import load_heldout_prompts
+    from specserve.demo import demo_pair
+    from specserve.demo.corpus import load_heldout_prompts
 
     if args.target is None:
         args.target, args.draft = demo_pair()
