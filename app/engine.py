@@ -265,12 +265,6 @@ class Engine:
                 for branch in family(seq_id)[1:]:
                     await self.drafter.release(branch)
 
-    async def generate_async(self, prompt: str | list[int], params: SamplingParams | dict | None = None) -> GenerationResult:
-        state = self.new_request(prompt, params)
-        async for _ in self.stream(state):
-            pass
-        return result_of(state)
-
     def generate(self, prompts: list[str | list[int]] | str, params: SamplingParams | dict | list | None = None) -> list[GenerationResult]:
         """Generate for many prompts concurrently (their rounds batched); params is one or one per prompt."""
         prompts = [prompts] if isinstance(prompts, str) else list(prompts)

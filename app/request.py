@@ -5,6 +5,7 @@ from dataclasses import dataclass, field
 
 from app.logits import LogitRules
 from app.params import SamplingParams
+from app.runner import tokenizer_eos_ids
 
 REPLACEMENT = "\ufffd"  # what a decoder shows for a UTF-8 sequence cut mid-way
 DETOKENIZE_CONTEXT = 5  # tokens decoded again before new ones: how a piece reads can depend on those before it
@@ -26,12 +27,6 @@ def streamed_text(tokenizer, params: SamplingParams, output_ids: list[int], stre
     as the stream decoded it: a stream resumed on another replica rebuilds what its client has."""
     state = RequestState("", [], params, tokenizer, len(output_ids) + 1, output_ids=output_ids)
     return state.text[:streamed_chars]
-
-
-def tokenizer_eos_ids(tokenizer) -> frozenset[int]:
-    """The tokenizer's end-of-sequence id(s)."""
-    eos = tokenizer.eos_token_id
-    return frozenset(eos if isinstance(eos, list) else [eos]) - {None}
 
 
 # per-round timings summed in SpeculationStats: name in the summary -> RoundFacts attribute

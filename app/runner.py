@@ -18,7 +18,6 @@ from app.kv import BLOCK_SIZE, KVStore, common_prefix
 from app.batches import Batch, RaggedBatch, SeqInput
 from app.ragged import Layout, active, supports_ragged
 from app.ragged import NAME as RAGGED
-from app.request import tokenizer_eos_ids
 
 log = logging.getLogger(__name__)
 
@@ -54,6 +53,12 @@ def load_model(
         return model.eval(), tokenizer
     model = AutoModelForCausalLM.from_pretrained(name_or_path, dtype=torch_dtype, **kwargs)
     return model.to(device).eval().requires_grad_(False), tokenizer
+
+
+def tokenizer_eos_ids(tokenizer) -> frozenset[int]:
+    """The tokenizer's end-of-sequence id(s)."""
+    eos = tokenizer.eos_token_id
+    return frozenset(eos if isinstance(eos, list) else [eos]) - {None}
 
 
 def eos_ids(generation_config, tokenizer) -> frozenset[int]:
