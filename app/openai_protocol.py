@@ -11,7 +11,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validat
 from app.chat_template import ChatMessage, TemplateControls
 from app.errors import InvalidRequestError
 from app.params import (MAX_LOGIT_BIAS, MAX_SEED, MAX_STOP_CHARS, MAX_STOP_TOKEN_IDS, MAX_STOPS, MAX_TOKEN_ID,
-                        MIN_REPETITION_PENALTY, MIN_SEED, MIN_TEMPERATURE, SamplingParams, SpeculationParams,
+                        MIN_REPETITION_PENALTY, MIN_SEED, MIN_TEMPERATURE, SamplingFields, SamplingParams, SpeculationParams,
                         TokenId)
 from app.structured import GUIDED, MAX_CHOICE_STRINGS, MAX_PATTERN_CHARS, StructuredOutputs, constraint
 from app.tool_calls import MAX_TOOLS, Tool, ToolChoice
@@ -90,36 +90,19 @@ class StreamOptions(BaseModel):
     continuous_usage_stats: bool = Field(False, description="With include_usage: usage so far on every chunk.")
 
 
-class _Common(BaseModel):
-    """Fields shared by completions and chat completions (bodies pass through normalise_body first).
-    Every number is bounded and finite here, before anything is built from it (app/params.py)."""
-
-    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+class _Common(SamplingFields):
+    """Fields shared by completions and chat completions (bodies pass through normalise_body first);
+    the sampling fields that SamplingParams shares are declared once (app/params.py, SamplingFields).
+    Every number is bounded and finite here, before anything is built from it."""
 
     model: str = Field(description="Served model name, as listed by /v1/models.")
     max_tokens: int | None = Field(None, ge=0, le=MAX_TOKEN_ID, description="Most tokens to generate (0, on a "
                                                                              "completion with echo: score the prompt).")
-    temperature: float = Field(1.0, ge=0.0, le=2.0, description=f"0 = greedy; below {MIN_TEMPERATURE} (but not 0) "
-                                                                f"sampled at {MIN_TEMPERATURE}.")
-    top_p: float = Field(1.0, gt=0.0, le=1.0, description="Nucleus sampling mass.")
-    top_k: int = Field(0, ge=-1, le=MAX_TOKEN_ID, description="Extension: keep the k most likely tokens (at most "
-                                                              "the vocabulary); 0 or -1 = all.")
     stop: str | list[str] | None = Field(None, description=f"Up to {MAX_STOPS} stop strings of at most "
                                                            f"{MAX_STOP_CHARS} characters.")
-    seed: int | None = Field(None, ge=MIN_SEED, le=MAX_SEED, description="Reproducible sampling (any int64).")
     n: int = Field(1, ge=1, le=MAX_CHOICES, description="Choices per prompt, each sampled with its own seed.")
     stream: bool = Field(False, description="Server-sent events, ending with data: [DONE].")
     stream_options: StreamOptions | None = Field(None, description="Streaming options.")
-    ignore_eos: bool = Field(False, description="Extension: keep generating past end-of-sequence.")
-    stop_token_ids: list[TokenId] = Field(default_factory=list, max_length=MAX_STOP_TOKEN_IDS,
-                                      description="Extension: token ids that end generation.")
-    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0, description="Penalise tokens already in the output.")
-    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0, description="Penalise tokens by their output count.")
-    repetition_penalty: float = Field(1.0, ge=MIN_REPETITION_PENALTY, le=10.0,
-                                      description="Extension: penalise prompt and output tokens "
-                                                  "multiplicatively (1 = off).")
-    min_p: float = Field(0.0, ge=0.0, le=1.0, description="Extension: drop tokens below min_p x the top one.")
-    min_tokens: int = Field(0, ge=0, le=MAX_TOKEN_ID, description="Extension: no stop before this many tokens.")
     logit_bias: dict[str, float] = Field(default_factory=dict, max_length=MAX_LOGIT_BIAS,
                                          description="Token id (as a decimal string) -> bias in [-100, 100].")
     response_format: dict | None = Field(None, description='{"type": "json_object"} or {"type": "json_schema", '
@@ -132,13 +115,7 @@ class _Common(BaseModel):
     guided_regex: str | None = Field(None, max_length=MAX_PATTERN_CHARS, description="structured_outputs.regex.")
     guided_choice: list[str] | None = Field(None, max_length=MAX_CHOICE_STRINGS, description="structured_outputs.choice.")
     guided_grammar: str | None = Field(None, max_length=MAX_PATTERN_CHARS, description="structured_outputs.grammar.")
-    logprobs_mode: Literal["raw", "processed"] = Field(
-        "raw", description="Extension: logprobs of the model's distribution (raw) or of the processed one "
-                           "tokens are sampled from.")
     speculation: SpeculationParams | None = Field(None, description="Extension: K or speculation off.")
-    cache_salt: str | None = Field(None, max_length=256, description="Extension (vLLM's): the prompt reuses only "
-                                                                     "KV cached by requests with the same salt.")
-    skip_special_tokens: bool = Field(True, description="Extension (vLLM's): false shows special tokens in the text.")
 
     @field_validator("stop")
     @classmethod
@@ -169,18 +146,13 @@ class _Common(BaseModel):
                  ) -> SamplingParams:
         """The request's SamplingParams; `cache_salt`: its prefix-cache scope (the ingress's, from the
         API key and the request's own cache_salt)."""
-        return SamplingParams(cache_salt=cache_salt, max_tokens=max_tokens, temperature=self.temperature, top_p=self.top_p,
-                              top_k=self.top_k, stop=self.stop or [], seed=self.seed, ignore_eos=self.ignore_eos,
-                              stop_token_ids=self.stop_token_ids, presence_penalty=self.presence_penalty,
-                              frequency_penalty=self.frequency_penalty, repetition_penalty=self.repetition_penalty,
-                              min_p=self.min_p, min_tokens=self.min_tokens,
+        shared = {name: getattr(self, name) for name in SamplingFields.model_fields}
+        return SamplingParams(**{**shared, "cache_salt": cache_salt}, max_tokens=max_tokens, stop=self.stop or [],
                               logit_bias={int(k): b for k, b in self.logit_bias.items()},
-                              logprobs=self.top_logprobs_wanted(), logprobs_mode=self.logprobs_mode,
-                              prompt_logprobs=self.prompt_logprobs_wanted(),
+                              logprobs=self.top_logprobs_wanted(), prompt_logprobs=self.prompt_logprobs_wanted(),
                               response_format=constraint(self.response_format, self.structured_outputs,
                                                          {name: getattr(self, name) for name in GUIDED}),
-                              speculation=self.speculation or default_spec,
-                              skip_special_tokens=self.skip_special_tokens)
+                              speculation=self.speculation or default_spec)
 
 
 class CompletionRequest(_Common):

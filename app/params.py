@@ -49,25 +49,22 @@ class SpeculationParams(BaseModel):
         return None if self.num_tokens == "auto" else int(self.num_tokens)
 
 
-class SamplingParams(BaseModel):
-    """How one request samples and stops. temperature 0 means greedy. Every float is finite (a NaN
-    compares false with every bound, so it would pass them), every integer bounded."""
+class SamplingFields(BaseModel):
+    """The sampling and stopping fields that a request body and SamplingParams share, each declared
+    once: the OpenAI request models (app/openai_protocol.py) derive from it and pass them on as they
+    are. Every float is finite (a NaN compares false with every bound, so it would pass them), every
+    integer bounded."""
 
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
-    prompt_logprobs: int | None = Field(None, ge=0, le=20,
-                                        description="Log-probabilities of each prompt token after the first (raw), "
-                                                    "with this many alternatives.")
-    max_tokens: int = Field(64, ge=0, le=MAX_TOKEN_ID, description="Most tokens to generate; 0 scores the prompt "
-                                                                    "alone (with prompt_logprobs).")
-    temperature: float = Field(1.0, ge=0.0, le=100.0, description="0 = greedy; higher flattens the distribution.")
+    temperature: float = Field(1.0, ge=0.0, le=2.0, description=f"0 = greedy; higher flattens the distribution; "
+                                                                f"below {MIN_TEMPERATURE} (but not 0) sampled at "
+                                                                f"{MIN_TEMPERATURE}.")
     top_p: float = Field(1.0, gt=0.0, le=1.0, description="Nucleus sampling: keep the smallest set with mass >= top_p.")
     top_k: int = Field(0, ge=-1, le=MAX_TOKEN_ID,
                        description="Keep the k most likely tokens; 0 or -1 keeps all; at most the vocabulary.")
-    stop: list[str] = Field(default_factory=list, max_length=MAX_STOPS,
-                            description="Strings that end generation; excluded from the text.")
     seed: int | None = Field(None, ge=MIN_SEED, le=MAX_SEED,
-                             description="Makes sampling reproducible, whatever else is in the batch.")
+                             description="Makes sampling reproducible (any int64), whatever else is in the batch.")
     ignore_eos: bool = Field(False, description="Keep generating past the end-of-sequence token.")
     stop_token_ids: list[TokenId] = Field(default_factory=list, max_length=MAX_STOP_TOKEN_IDS,
                                       description="Token ids that end generation (excluded from the output), "
@@ -81,27 +78,52 @@ class SamplingParams(BaseModel):
     repetition_penalty: float = Field(1.0, ge=MIN_REPETITION_PENALTY, le=10.0,
                                       description="Divides positive and multiplies negative logits of tokens in "
                                                   "the prompt or output (1 = off).")
-    logit_bias: dict[int, float] = Field(default_factory=dict, max_length=MAX_LOGIT_BIAS,
-                                         description="Token id -> bias in [-100, 100], added to its logit.")
-    min_tokens: int = Field(0, ge=0, description="No end-of-sequence or stop id (or stop string) before this "
-                                                 "many tokens.")
+    min_tokens: int = Field(0, ge=0, le=MAX_TOKEN_ID, description="No end-of-sequence or stop id (or stop string) "
+                                                                   "before this many tokens.")
     min_p: float = Field(0.0, ge=0.0, le=1.0,
                          description="Drop tokens less likely than min_p times the most likely one.")
-    logprobs: int | None = Field(None, ge=0, le=20,
-                                 description="Log-probabilities of each output token and of its `logprobs` most "
-                                             "likely alternatives (None: none).")
     logprobs_mode: Literal["raw", "processed"] = Field(
         "raw", description="raw: the model's own distribution; processed: the one sampled from (after "
                            "bias, penalties, temperature, min_p, top-k, top-p; greedy rows: before temperature).")
+    cache_salt: str | None = Field(None, max_length=256, description="Prefix-cache scope: a sequence reuses only KV "
+                                                                     "cached under the same salt (None: shared).")
+    # how the output's text is decoded (app/request.py); the tokens are the same either way
+    skip_special_tokens: bool = Field(True, description="Leave special tokens (control tokens such as a tool-call "
+                                                        "marker) out of the text.")
+
+    @field_validator("temperature")
+    @classmethod
+    def _temperature(cls, v: float) -> float:
+        return MIN_TEMPERATURE if 0.0 < v < MIN_TEMPERATURE else v
+
+    @field_validator("stop_token_ids")
+    @classmethod
+    def _token_ids(cls, v):
+        if any(not 0 <= t <= MAX_TOKEN_ID for t in v):
+            raise ValueError(f"stop_token_ids must be token ids in [0, {MAX_TOKEN_ID}]")
+        return v
+
+
+class SamplingParams(SamplingFields):
+    """How one request samples and stops (the shared fields: SamplingFields). temperature 0 means greedy."""
+
+    prompt_logprobs: int | None = Field(None, ge=0, le=20,
+                                        description="Log-probabilities of each prompt token after the first (raw), "
+                                                    "with this many alternatives.")
+    max_tokens: int = Field(64, ge=0, le=MAX_TOKEN_ID, description="Most tokens to generate; 0 scores the prompt "
+                                                                    "alone (with prompt_logprobs).")
+    stop: list[str] = Field(default_factory=list, max_length=MAX_STOPS,
+                            description="Strings that end generation; excluded from the text.")
+    logit_bias: dict[int, float] = Field(default_factory=dict, max_length=MAX_LOGIT_BIAS,
+                                         description="Token id -> bias in [-100, 100], added to its logit.")
+    logprobs: int | None = Field(None, ge=0, le=20,
+                                 description="Log-probabilities of each output token and of its `logprobs` most "
+                                             "likely alternatives (None: none).")
     response_format: dict | None = Field(
         None, description='OpenAI\'s response_format: {"type": "json_object"} or {"type": "json_schema", '
                           '"json_schema": {"name": ..., "schema": {...}}}, or vLLM\'s structured outputs as {"type": '
                           '"regex" | "choice" | "grammar", <type>: ...}; output then follows it (app/grammar.py).')
     speculation: SpeculationParams = Field(default_factory=SpeculationParams, description="Speculation control.")
-    cache_salt: str | None = Field(None, max_length=256, description="Prefix-cache scope: a sequence reuses only KV cached under the same salt (None: shared).")
-    # how the output's text is decoded (app/request.py); the tokens are the same either way
-    skip_special_tokens: bool = Field(True, description="Leave special tokens (control tokens such as a tool-call "
-                                                        "marker) out of the text.")
     keep_special_token_ids: list[TokenId] = Field(
         default_factory=list, max_length=MAX_KEPT_SPECIALS,
         description="Special tokens shown in the text even when special tokens are skipped: a tool-call format's "
@@ -135,14 +157,12 @@ class SamplingParams(BaseModel):
     @field_validator("max_tokens")
     @classmethod
     def _scoring_only(cls, v: int, info: ValidationInfo) -> int:
-        if v == 0 and info.data.get("prompt_logprobs") is None:  # declared before max_tokens: validated first
+        # prompt_logprobs and the shared fields (min_tokens) are declared before max_tokens: validated first
+        if v == 0 and info.data.get("prompt_logprobs") is None:
             raise ValueError("max_tokens must be at least 1 (0 scores the prompt alone, with prompt_logprobs)")
+        if v < info.data.get("min_tokens", 0):
+            raise ValueError(f"max_tokens ({v}) must be at least min_tokens ({info.data['min_tokens']})")
         return v
-
-    @field_validator("temperature")
-    @classmethod
-    def _temperature(cls, v: float) -> float:
-        return MIN_TEMPERATURE if 0.0 < v < MIN_TEMPERATURE else v
 
     @field_validator("stop", mode="before")
     @classmethod
@@ -157,25 +177,11 @@ class SamplingParams(BaseModel):
             raise ValueError(f"each stop string must be at most {MAX_STOP_CHARS} characters")
         return v
 
-    @field_validator("stop_token_ids")
-    @classmethod
-    def _token_ids(cls, v):
-        if any(not 0 <= t <= MAX_TOKEN_ID for t in v):
-            raise ValueError(f"stop_token_ids must be token ids in [0, {MAX_TOKEN_ID}]")
-        return v
-
     @field_validator("logit_bias")
     @classmethod
     def _biases(cls, v):
         if any(not 0 <= t <= MAX_TOKEN_ID or not -100.0 <= b <= 100.0 for t, b in v.items()):
             raise ValueError("logit_bias maps token ids (>= 0) to biases in [-100, 100]")
-        return v
-
-    @field_validator("min_tokens")
-    @classmethod
-    def _at_most_max_tokens(cls, v, info: ValidationInfo):
-        if "max_tokens" in info.data and v > info.data["max_tokens"]:
-            raise ValueError(f"min_tokens ({v}) must be <= max_tokens ({info.data['max_tokens']})")
         return v
 
     @property
