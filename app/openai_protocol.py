@@ -4,15 +4,13 @@ app/chat_template.py, the response bodies are built in app/openai_responses.py."
 import json
 import re
 import uuid
-from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 from app.chat_template import ChatMessage, TemplateControls
 from app.errors import InvalidRequestError
-from app.params import (MAX_LOGIT_BIAS, MAX_SEED, MAX_STOP_CHARS, MAX_STOP_TOKEN_IDS, MAX_STOPS, MAX_TOKEN_ID,
-                        MIN_REPETITION_PENALTY, MIN_SEED, MIN_TEMPERATURE, SamplingFields, SamplingParams, SpeculationParams,
-                        TokenId)
+from app.params import (MAX_LOGIT_BIAS, MAX_STOP_CHARS, MAX_STOPS, MAX_TOKEN_ID, SamplingFields, SamplingParams,
+                        SpeculationParams)
 from app.structured import GUIDED, MAX_CHOICE_STRINGS, MAX_PATTERN_CHARS, StructuredOutputs, constraint
 from app.tool_calls import MAX_TOOLS, Tool, ToolChoice
 

@@ -65,7 +65,7 @@ def model_config(model: str | None, pair_role: str) -> dict:
     """The config.json of a model id or directory; None is the reference pair's model."""
     if model is None:
         path = (CONFIGS / "smollm2" / "target" if pair_role == "target"
-                else Path(__file__).resolve().parents[1] / "demo" / "weights" / "smollm2-draft")
+                else Path(__file__).resolve().parent / "demo" / "weights" / "smollm2-draft")
     elif (Path(model) / "config.json").exists():
         path = Path(model)
     elif (CONFIGS / shipped_name(model) / "config.json").exists():
