@@ -35,11 +35,12 @@ import asyncio
 import copy
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass, field
 
 from app import telemetry
-from app.ahead import Ahead, cancel, hidden
+from app.ahead import DraftsAhead
 from app.draft_policy import DraftPolicy, DraftUnavailable
-from app.controller import CostEstimator, KController
+from app.controller import CostEstimator, KController, VerifyCost
 from app.request import RequestState
 from app.spec import BRANCH_SLOTS, RUNNER_UP_POSITIONS, Proposal, ProposeItem, Verdict, VerifyItem, branch_id
 from app.telemetry import NoObserver, RoundFacts, RoundObserver
@@ -66,19 +67,31 @@ def _costs(state: RequestState, costs: CostEstimator,
     return costs.c, verify_cost(), costs.overhead
 
 
+@dataclass
+class RoundContext:
+    """What a request's rounds run on, beside the request: the calls to the draft (None: no draft)
+    and to the target, the engine's shared costs and draft policy, and what it tells of its load."""
+
+    propose: ProposeFn | None
+    verify: VerifyFn
+    costs: CostEstimator
+    verify_cost: Callable[[], VerifyCost] = lambda: 0.0
+    policy: DraftPolicy = field(default_factory=DraftPolicy)
+    company: Callable[[], bool] = lambda: False  # whether other sequences share this one's target forwards
+    load: Callable[[], int] = lambda: 1  # the engine's sequences in flight, for the goodput gate's measure
+    prefill_chunk: int | None = None  # a longer context is prefilled in chunks of this many tokens
+
+
 class Rounds:
     """The rounds of one request; `next()` runs one and returns what it kept and how it went."""
 
-    def __init__(self, state: RequestState, propose: ProposeFn | None, verify: VerifyFn, controller: KController,
-                 costs: CostEstimator, verify_cost: Callable[[], float] = lambda: 0.0,
-                 policy: DraftPolicy | None = None, company: Callable[[], bool] = lambda: False):
-        self.state, self.propose, self.verify = state, propose, verify
-        self.controller, self.costs, self.verify_cost = controller, costs, verify_cost
-        self.company = company  # whether other sequences share this one's target forwards
+    def __init__(self, state: RequestState, context: RoundContext, controller: KController):
+        self.state, self.propose, self.verify = state, context.propose, context.verify
+        self.controller, self.costs, self.verify_cost = controller, context.costs, context.verify_cost
+        self.company = context.company
         self.cached = 0  # context positions the target already holds for this sequence (as far as it knows)
-        self.policy = policy or DraftPolicy()
-        self.ahead: Ahead | None = None
-        self.branches: list[Ahead] = []  # proposals asked for the round's likely rejections (_draft_branches)
+        self.policy = context.policy
+        self.drafts = DraftsAhead(self._draft)  # proposals asked ahead: for the likely outcome and rejections
         self.draft_down_until = float("-inf")
         self.down_reason = "draft_unavailable"
         self.first = not state.output_ids  # the request's first round: the target's prefill alone
@@ -87,12 +100,13 @@ class Rounds:
     def draft_beside_prefill(self) -> None:
         """Ask the draft for the prompt's proposal now, while the target prefills it (first round only)."""
         state = self.state
-        if not (self.first and self.propose and self.ahead is None) or self.policy.clock() < self.draft_down_until:
+        asked = self.drafts.main is not None
+        if not (self.first and self.propose and not asked) or self.policy.clock() < self.draft_down_until:
             return
         k = within_room(state, self.controller.choose(*_costs(state, self.costs, self.verify_cost)), 1)
         if k > 0 and not self._gated():
-            self._ask_ahead(list(state.token_ids), k + 1)
-            self.ahead.prompt = True
+            self.drafts.ask_main(list(state.token_ids), k + 1)
+            self.drafts.main.prompt = True
 
     @property
     def gateable(self) -> bool:
@@ -136,34 +150,34 @@ class Rounds:
         proposal, fallback, ahead_hit, t_draft = Proposal.empty(), None, None, 0.0
         beside_prompt = False  # the proposal was asked beside the prompt's prefill
         flexible = self._flexible()
-        self._adopt_branch()
+        self.drafts.adopt_branch(state.token_ids)
         if k > 0 and clock() < self.draft_down_until:
             fallback = self.down_reason
         elif k > 0:
             t0 = time.perf_counter()
-            beside_prompt = self.ahead is not None and self.ahead.prompt
-            ready = self._ready_ahead(flexible)
-            exact = self.ahead is not None and self.ahead.context == state.token_ids
+            beside_prompt = self.drafts.main is not None and self.drafts.main.prompt
+            ready = self.drafts.ready(state.token_ids, flexible)
+            exact = self.drafts.main is not None and self.drafts.main.context == state.token_ids
             try:
                 if ready is not None:
                     proposal, ahead_hit = ready, True
                 elif flexible and self.policy.ahead and self.company() and self.costs.draft_keeps_up:
                     fallback = "draft_behind"  # waiting would cost this sequence its place in the next forward
                     if not exact:
-                        ahead_hit = False if self.ahead is not None else None
-                        self._cancel_ahead()
-                        self._ask_ahead(list(state.token_ids), k + 1)
+                        ahead_hit = False if self.drafts.main is not None else None
+                        self.drafts.cancel_main()
+                        self.drafts.ask_main(list(state.token_ids), k + 1)
                 else:
-                    ahead_hit = exact if self.ahead is not None else None
+                    ahead_hit = exact if self.drafts.main is not None else None
                     try:
                         proposal = None
-                        if not exact and flexible and self._shifted_ahead():
+                        if not exact and flexible and self.drafts.shifted(state.token_ids):
                             # drafted for this context less its last token (beside the prompt's prefill):
                             # its forward is under way, so awaiting it beats queueing a new one behind it
-                            proposal = (await self._await_ahead()).after(state.token_ids[-1])
+                            proposal = (await self.drafts.wait_main()).after(state.token_ids[-1])
                             ahead_hit = proposal is not None
                         elif exact:
-                            proposal = await self._await_ahead()
+                            proposal = await self.drafts.wait_main()
                         if proposal is None:
                             proposal = await self._draft(state.token_ids, k)
                     except DraftUnavailable:
@@ -182,7 +196,7 @@ class Rounds:
             # speculation is on, but the controller found it would not pay, or plain steps measured faster
             fallback = "goodput" if gated else "controller"
         if fallback != "draft_behind":
-            self._cancel_ahead()
+            self.drafts.cancel_main()
         if proposal.tokens and self.policy.ahead and proposal.guess is not None:
             self._draft_ahead(proposal)
             self._draft_branches(proposal)
@@ -265,15 +279,7 @@ class Rounds:
         k = within_room(state, likely.choose(*_costs(state, self.costs, self.verify_cost)), emitted)
         if k <= 0 or self._gated():
             return
-        self._ask_ahead(state.token_ids + proposal.tokens + [proposal.guess], k)
-
-    def _ask_ahead(self, context: list[int], k: int) -> None:
-        self.ahead = self._ask(context, k)
-
-    def _ask(self, context: list[int], k: int, seq_id: str | None = None) -> Ahead:
-        a = Ahead(context, asyncio.ensure_future(self._draft(context, k, seq_id)), time.perf_counter())
-        a.task.add_done_callback(lambda _: setattr(a, "finished", time.perf_counter()))
-        return a
+        self.drafts.ask_main(state.token_ids + proposal.tokens + [proposal.guess], k)
 
     # -- branches: drafting ahead for the likely rejections ------------------------------------
     def _branching(self) -> bool:
@@ -298,93 +304,28 @@ class Rounds:
             k = within_room(state, likely.choose(*_costs(state, self.costs, self.verify_cost)), j + 1)
             for token in alternatives[: BRANCH_SLOTS - slot] if k > 0 else ():
                 context = state.token_ids + proposal.tokens[:j] + [token]
-                self.branches.append(self._ask(context, k, branch_id(state.request_id, slot)))
+                self.drafts.branches.append(self.drafts.ask(context, k, branch_id(state.request_id, slot)))
                 slot += 1
-
-    def _adopt_branch(self) -> None:
-        """At a round's start: the branch drafted for exactly this context (if any) becomes the
-        proposal in hand, unless the main proposal drafted ahead fits; every other branch is dropped."""
-        context, a = self.state.token_ids, self.ahead
-        fits = a is not None and (a.context == context or self._shifted_ahead())
-        match = None if fits else next((b for b in self.branches if b.context == context), None)
-        for b in self.branches:
-            if b is not match:
-                cancel(b.task)
-        self.branches = []
-        if match is not None:
-            self._cancel_ahead()
-            self.ahead = match
-
-    def _shifted_ahead(self) -> bool:
-        """Whether the proposal in flight was asked for this round's context less its last token."""
-        a, context = self.ahead, self.state.token_ids
-        return a is not None and len(context) == len(a.context) + 1 and context[:-1] == a.context
-
-    def _ready_ahead(self, flexible: bool) -> Proposal | None:
-        """The proposal drafted ahead, if it is in hand and fits this round's context; consumed.
-
-        It fits when it was drafted for exactly this context, or (flexible requests) for this context
-        less its last token and the draft's first token is that token. Its first min(k, K ahead) tokens
-        are then used: a seeded sampled request's K depends on its own history only, so there the two
-        are equal, and it never takes the shifted form, which is one token shorter; greedy output does
-        not depend on K, and an unseeded request's distribution does not either.
-        """
-        a, context = self.ahead, self.state.token_ids
-        if a is None or not a.task.done() or a.task.cancelled() or a.task.exception() is not None:
-            return None
-        proposal = a.task.result()
-        if a.context != context:
-            shifted = len(context) == len(a.context) + 1 and context[:-1] == a.context
-            proposal = proposal.after(context[-1]) if flexible and shifted else None
-            if proposal is None:
-                return None
-        self.ahead = None
-        return hidden(proposal, a, time.perf_counter())
-
-    async def _await_ahead(self) -> Proposal:
-        a, self.ahead = self.ahead, None
-        waited = time.perf_counter()
-        return hidden(await a.task, a, waited)
-
-    def _cancel_ahead(self) -> None:
-        if self.ahead is not None:
-            cancel(self.ahead.task)
-            self.ahead = None
 
     def close(self) -> None:
         """The request ended: drop any proposal still being drafted for it."""
-        self._cancel_ahead()
-        for b in self.branches:
-            cancel(b.task)
-        self.branches = []
+        self.drafts.close()
 
 
-async def run_rounds(
-    state: RequestState,
-    propose: ProposeFn | None,
-    verify: VerifyFn,
-    controller: KController,
-    costs: CostEstimator,
-    verify_cost: Callable[[], float] = lambda: 0.0,
-    observer: RoundObserver = NoObserver(),
-    trace_parent: telemetry.Parent = None,
-    policy: DraftPolicy | None = None,
-    company: Callable[[], bool] = lambda: False,
-    prefill_chunk: int | None = None,
-    cached: int = 0,
-    load: Callable[[], int] = lambda: 1,
-) -> AsyncIterator[list[int]]:
+async def run_rounds(state: RequestState, context: RoundContext, controller: KController,
+                     observer: RoundObserver = NoObserver(), trace_parent: telemetry.Parent = None,
+                     cached: int = 0) -> AsyncIterator[list[int]]:
     """Drive rounds until the request stops; yields the tokens each round kept.
 
-    A context longer than `prefill_chunk` tokens is first prefilled a chunk per forward (sharing each
+    A context longer than `context.prefill_chunk` tokens is first prefilled a chunk per forward (sharing each
     forward with other sequences' rounds); the first round then computes only the last chunk. A
     request that wants its prompt's logprobs (and has streamed nothing yet) has its whole prompt
     prefilled so, each chunk scoring its tokens. `cached`: context positions the target holds for
     the sequence already (another sequence prefilled the same context: app.engine), not prefilled again.
-    `load`: the engine's sequences in flight, for the goodput gate's measure. Each round is a span
-    (child of `trace_parent`) and is reported to `observer`.
+    Each round is a span (child of `trace_parent`) and is reported to `observer`.
     """
-    rounds = Rounds(state, propose, verify, controller, costs, verify_cost, policy, company)
+    rounds = Rounds(state, context, controller)
+    verify, prefill_chunk = context.verify, context.prefill_chunk
     rounds.cached = cached
     score = state.params.prompt_logprobs is not None and not state.output_ids
     try:
@@ -411,7 +352,7 @@ async def run_rounds(
                 telemetry.set_attributes(span, telemetry.round_attributes(facts))
             observer.round(facts)
             if rounds.gateable:  # a sequence whose mode is not the gate's would measure neither mode
-                costs.gate.emitted(len(verdict.tokens), load())
+                context.costs.gate.emitted(len(verdict.tokens), context.load())
             state.stats.record(verdict.drafted, verdict.accepted, len(verdict.tokens), facts.fallback is not None,
                                facts.batch_size, facts.ahead_hit, facts.prompt)
             state.stats.time(facts)

@@ -18,7 +18,7 @@ from app.pairing import check_vocabularies
 from app.config import DraftSettings, ModelSettings, SpeculationSettings
 from app.controller import CostEstimator, KController, KControllerConfig
 from app.gate import GoodputGate
-from app.driver import DraftPolicy, VerifyFn, run_rounds
+from app.driver import DraftPolicy, RoundContext, VerifyFn, run_rounds
 from app.errors import InvalidRequestError
 from app.scheduler import ForwardQueue, in_thread
 from app.grammar import Grammars
@@ -194,10 +194,10 @@ class Engine:
         verify, cached, prefilled = await self.prefills.join(state, self.verifier.submit)
         self.active += 1
         try:
-            async for kept in run_rounds(state, self.drafter.submit if self.drafter else None, verify,
-                                         controller or self.controller(state.params), self.costs, self.verify_cost,
-                                         observer, trace_parent, self.policy, lambda: self.active > 1,
-                                         self.prefill_chunk, cached, lambda: self.active):
+            context = RoundContext(self.drafter.submit if self.drafter else None, verify, self.costs, self.verify_cost,
+                                   self.policy, lambda: self.active > 1, lambda: self.active, self.prefill_chunk)
+            async for kept in run_rounds(state, context, controller or self.controller(state.params), observer,
+                                         trace_parent, cached):
                 yield kept
         finally:
             prefilled(False)  # a leader that ends (fails, is cancelled) before its prefill releases its waiters

@@ -49,13 +49,9 @@ def choice_body(index: int, text: str, finish: str | None, chat: bool, delta: bo
     return {"index": index, "text": text, "finish_reason": finish, "logprobs": logprobs}
 
 
-def completion_body(rid: str, model: str, text: str | list[dict], finish: str | None, usage: dict | None,
-                    speculation: dict | None, chat: bool, delta: bool, index: int = 0,
-                    logprobs: dict | None = None, tool_calls: list[dict] | None = None) -> dict:
-    """A completion (or one streamed chunk of it), text or chat flavour: one choice (`text`,
-    `finish`, `index`, `logprobs`, `tool_calls`), or the given list of choice_body()s."""
-    choices = text if isinstance(text, list) else [choice_body(index, text, finish, chat, delta, logprobs,
-                                                               tool_calls)]
+def completion_body(rid: str, model: str, choices: list[dict], usage: dict | None, speculation: dict | None,
+                    chat: bool, delta: bool) -> dict:
+    """A completion (or one streamed chunk of it), text or chat flavour, of the given choice_body()s."""
     obj = ("chat.completion.chunk" if delta else "chat.completion") if chat else "text_completion"
     body = {"id": rid, "object": obj, "created": int(time.time()), "model": model, "choices": choices}
     if usage is not None:

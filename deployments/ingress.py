@@ -43,7 +43,8 @@ from deployments.dispatch import Dispatcher
 from deployments.failover import GUARD_HEADER, RESUME_HEADER, read_resume
 from deployments.http_api import APIError, api, invalid, narrow_schema
 from deployments.metrics import VLLMMetrics, totals_actor
-from deployments.streams import all_or_stop, next_chunk, sse_events, stop_streams
+from deployments.streams import (StreamedChoices, StreamedResponse, all_or_stop, next_chunk, sse_events,
+                                 stop_streams)
 
 log = logging.getLogger("ray.serve")
 # used when a tokenizer ships no chat template (the demo pair): plain "role: content" turns
@@ -290,11 +291,10 @@ class Ingress:
                 sent = await asyncio.get_running_loop().run_in_executor(self.prepare, lambda: [
                     streamed_text(self.tokenizer, job.params, c.output_ids, c.streamed_chars)
                     for job, c in zip(jobs, starts)])
-            return StreamingResponse(sse_events(rid, self.model_name, live, firsts, streams, views, deadline,
-                                                self.cfg.limits.request_timeout_s, chat, include_usage, prompt_tokens,
-                                                continuous, span,
-                                                starts if report else None, tools, sent),
-                                     media_type="text/event-stream")
+            response = StreamedResponse(rid, self.model_name, chat, prompt_tokens, deadline,
+                                        self.cfg.limits.request_timeout_s, include_usage, continuous, span, tools)
+            choices = StreamedChoices(live, firsts, streams, views, starts if report else None, sent)
+            return StreamingResponse(sse_events(response, choices), media_type="text/event-stream")
         try:
             done = await all_or_stop([self._rest(s, f, v, deadline) for s, f, v in zip(streams, firsts, views)],
                                       streams)
@@ -304,7 +304,7 @@ class Ingress:
         choices = [choice_body(i, content, finish, chat, False, logprobs, calls)
                    for i, (text, last, logprobs) in enumerate(done)
                    for content, calls, finish in [self._calls(body, chat, text, last["finish_reason"])]]
-        return completion_body(rid, self.model_name, choices, None, usage,
+        return completion_body(rid, self.model_name, choices, usage,
                                combined_speculation([last["speculation"] for _, last, _ in done]), chat, delta=False)
 
     def _prepare(self, body, chat: bool, salt: str | None, resume_header: str | None):

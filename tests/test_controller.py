@@ -416,7 +416,7 @@ def test_a_proposal_after_plain_steps_does_not_price_the_draft(tokenizer):
     import asyncio
     import itertools
 
-    from app.driver import run_rounds
+    from app.driver import RoundContext, run_rounds
     from app.params import SamplingParams
     from app.request import RequestState
     from app.spec import Proposal, Verdict
@@ -448,7 +448,7 @@ def test_a_proposal_after_plain_steps_does_not_price_the_draft(tokenizer):
     costs = Spy()
 
     async def go():
-        async for _ in run_rounds(state, propose, verify, Scripted(), costs):
+        async for _ in run_rounds(state, RoundContext(propose, verify, costs), Scripted()):
             pass
     asyncio.run(go())
     # rounds: prefill, K = 0, 0, 3 (after plain: not measured), 3 (measured), 0, 3 (not), 3 (measured)

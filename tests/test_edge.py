@@ -201,15 +201,15 @@ class Stream:
 def sse_of(streams, firsts) -> list[str]:
     """The SSE events the ingress writes for these streams (deployments/streams.py)."""
     from app.openai_responses import ChoiceView
-    from deployments.streams import sse_events
+    from deployments.streams import StreamedChoices, StreamedResponse, sse_events
 
     tokenizer = SimpleNamespace(decode=lambda ids, **_: "")
     views = [ChoiceView(tokenizer, chat=False, logprobs=False) for _ in streams]
 
     async def go():
         deadline = asyncio.get_running_loop().time() + 60
-        gen = sse_events("cmpl-1", "m", list(range(len(streams))), firsts, streams, views, deadline, 60.0, False,
-                         False, 1, False)
+        gen = sse_events(StreamedResponse("cmpl-1", "m", False, 1, deadline, 60.0),
+                         StreamedChoices(list(range(len(streams))), firsts, streams, views))
         return [event async for event in gen]
     return asyncio.run(asyncio.wait_for(go(), 30))
 

@@ -13,7 +13,7 @@ from opentelemetry.trace import StatusCode
 
 from app import telemetry
 from app.controller import CostEstimator, KController, KControllerConfig
-from app.driver import DraftUnavailable, run_rounds
+from app.driver import DraftUnavailable, RoundContext, run_rounds
 from app.params import SamplingParams
 from app.request import RequestState
 from app.spec import Proposal, ProposeItem, Verdict, VerifyItem
@@ -88,7 +88,7 @@ def run_request(tokenizer, servers, max_tokens=10, k=3, controller=None, observe
 
     async def go():
         root = telemetry.start_span("generate") if traced else None
-        async for _ in run_rounds(state, servers.propose, servers.verify, controller, CostEstimator(),
+        async for _ in run_rounds(state, RoundContext(servers.propose, servers.verify, CostEstimator()), controller,
                                   observer=observer or Recorder(), trace_parent=telemetry.context_of(root)):
             pass
         if root is not None:

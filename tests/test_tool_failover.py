@@ -54,16 +54,16 @@ def tool_stream_events(tok, parser, ids: list[int], start) -> list[str]:
     from app.openai_responses import ChoiceView
     from app.params import SamplingParams
     from app.request import streamed_text
-    from deployments.streams import sse_events
+    from deployments.streams import StreamedChoices, StreamedResponse, sse_events
 
     chunks = engine_chunks(tok, ids, start)
     sent = streamed_text(tok, SamplingParams(max_tokens=len(ids)), start.output_ids, start.streamed_chars)
 
     async def go():
         deadline = asyncio.get_running_loop().time() + 60
-        gen = sse_events("chatcmpl-1", "m", [0], chunks[:1], [Chunks(chunks[1:])],
-                         [ChoiceView(tok, chat=True, logprobs=False)], deadline, 60.0, True, False, 1, False,
-                         starts=[start], tools=parser, sent=[sent])
+        gen = sse_events(StreamedResponse("chatcmpl-1", "m", True, 1, deadline, 60.0, tools=parser),
+                         StreamedChoices([0], chunks[:1], [Chunks(chunks[1:])], [ChoiceView(tok, chat=True, logprobs=False)],
+                                         starts=[start], sent=[sent]))
         return [message async for message in gen]
     return asyncio.run(asyncio.wait_for(go(), 30))
 
