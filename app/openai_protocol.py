@@ -9,8 +9,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validat
 
 from app.chat_template import ChatMessage, TemplateControls
 from app.errors import InvalidRequestError
-from app.params import (MAX_LOGIT_BIAS, MAX_STOP_CHARS, MAX_STOPS, MAX_TOKEN_ID, SamplingFields, SamplingParams,
-                        SpeculationParams)
+from app.params import (MAX_LOGIT_BIAS, MAX_STOP_CHARS, MAX_STOPS, MAX_TOKEN_ID, MIN_TOKENS, SamplingFields,
+                        SamplingParams, SpeculationParams)
 from app.structured import GUIDED, MAX_CHOICE_STRINGS, MAX_PATTERN_CHARS, StructuredOutputs, constraint
 from app.tool_calls import MAX_TOOLS, Tool, ToolChoice
 
@@ -98,6 +98,7 @@ class _Common(SamplingFields):
                                                                              "completion with echo: score the prompt).")
     stop: str | list[str] | None = Field(None, description=f"Up to {MAX_STOPS} stop strings of at most "
                                                            f"{MAX_STOP_CHARS} characters.")
+    min_tokens: int = Field(0, **MIN_TOKENS)
     n: int = Field(1, ge=1, le=MAX_CHOICES, description="Choices per prompt, each sampled with its own seed.")
     stream: bool = Field(False, description="Server-sent events, ending with data: [DONE].")
     stream_options: StreamOptions | None = Field(None, description="Streaming options.")
@@ -145,7 +146,8 @@ class _Common(SamplingFields):
         """The request's SamplingParams; `cache_salt`: its prefix-cache scope (the ingress's, from the
         API key and the request's own cache_salt)."""
         shared = {name: getattr(self, name) for name in SamplingFields.model_fields}
-        return SamplingParams(**{**shared, "cache_salt": cache_salt}, max_tokens=max_tokens, stop=self.stop or [],
+        return SamplingParams(**{**shared, "cache_salt": cache_salt}, max_tokens=max_tokens, min_tokens=self.min_tokens,
+                              stop=self.stop or [],
                               logit_bias={int(k): b for k, b in self.logit_bias.items()},
                               logprobs=self.top_logprobs_wanted(), prompt_logprobs=self.prompt_logprobs_wanted(),
                               response_format=constraint(self.response_format, self.structured_outputs,

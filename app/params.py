@@ -23,6 +23,10 @@ MAX_KEPT_SPECIALS = 8  # keep_special_token_ids: a tool-call format has one or t
 MIN_TEMPERATURE = 0.01
 MIN_REPETITION_PENALTY = 0.01
 TokenId = Annotated[int, Field(ge=0, le=MAX_TOKEN_ID)]
+# min_tokens is checked against max_tokens, which each model declares after the shared fields: so each
+# declares min_tokens after its max_tokens (a validator sees only the fields before its own), from this
+MIN_TOKENS = dict(ge=0, le=MAX_TOKEN_ID, description="No end-of-sequence or stop id (or stop string) before "
+                                                     "this many tokens.")
 
 
 class SpeculationParams(BaseModel):
@@ -78,8 +82,6 @@ class SamplingFields(BaseModel):
     repetition_penalty: float = Field(1.0, ge=MIN_REPETITION_PENALTY, le=10.0,
                                       description="Divides positive and multiplies negative logits of tokens in "
                                                   "the prompt or output (1 = off).")
-    min_tokens: int = Field(0, ge=0, le=MAX_TOKEN_ID, description="No end-of-sequence or stop id (or stop string) "
-                                                                   "before this many tokens.")
     min_p: float = Field(0.0, ge=0.0, le=1.0,
                          description="Drop tokens less likely than min_p times the most likely one.")
     logprobs_mode: Literal["raw", "processed"] = Field(
@@ -112,6 +114,7 @@ class SamplingParams(SamplingFields):
                                                     "with this many alternatives.")
     max_tokens: int = Field(64, ge=0, le=MAX_TOKEN_ID, description="Most tokens to generate; 0 scores the prompt "
                                                                     "alone (with prompt_logprobs).")
+    min_tokens: int = Field(0, **MIN_TOKENS)
     stop: list[str] = Field(default_factory=list, max_length=MAX_STOPS,
                             description="Strings that end generation; excluded from the text.")
     logit_bias: dict[int, float] = Field(default_factory=dict, max_length=MAX_LOGIT_BIAS,
@@ -157,11 +160,16 @@ class SamplingParams(SamplingFields):
     @field_validator("max_tokens")
     @classmethod
     def _scoring_only(cls, v: int, info: ValidationInfo) -> int:
-        # prompt_logprobs and the shared fields (min_tokens) are declared before max_tokens: validated first
         if v == 0 and info.data.get("prompt_logprobs") is None:
+            # prompt_logprobs is declared before max_tokens: validated first
             raise ValueError("max_tokens must be at least 1 (0 scores the prompt alone, with prompt_logprobs)")
-        if v < info.data.get("min_tokens", 0):
-            raise ValueError(f"max_tokens ({v}) must be at least min_tokens ({info.data['min_tokens']})")
+        return v
+
+    @field_validator("min_tokens")
+    @classmethod
+    def _at_most_max_tokens(cls, v, info: ValidationInfo):
+        if "max_tokens" in info.data and v > info.data["max_tokens"]:
+            raise ValueError(f"min_tokens ({v}) must be <= max_tokens ({info.data['max_tokens']})")
         return v
 
     @field_validator("stop", mode="before")
