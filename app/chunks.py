@@ -8,7 +8,12 @@ from typing import TypedDict
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from app.params import MAX_SEED, MAX_TOKEN_ID, MIN_SEED
+from pydantic import ValidationError
+
+from app.params import MAX_CHOICES, MAX_SEED, MAX_TOKEN_ID, MIN_SEED
+
+GUARD_HEADER = b"x-specserve-failover"  # set by the proxy's failover: the front then reports its state
+RESUME_HEADER = b"x-specserve-resume"  # the state a resumed request continues from
 
 
 class Chunk(TypedDict, total=False):
@@ -61,3 +66,24 @@ def advance(state, chunk: Chunk) -> None:
     state.streamed_chars += len(chunk.get("text", ""))
     if chunk.get("controller") is not None:
         state.controller = tuple(chunk["controller"])
+
+
+class Resume(BaseModel):
+    """A streamed request's state, as the middleware sends it in RESUME_HEADER."""
+
+    rid: str = Field(max_length=128, description="the response id the client has seen")
+    choices: list[ResumeState] = Field(max_length=MAX_CHOICES, description="each choice's state, in the response's order")
+
+    def apply(self, step: dict) -> None:
+        """Take in one event's report: choice `i`'s chunk (its tokens, text, controller state, finish)."""
+        self.choices[step["i"]].record(step)
+
+
+def read_resume(value: str | None) -> Resume | None:
+    """RESUME_HEADER's value; ValueError when it is not a valid state."""
+    if value is None:
+        return None
+    try:
+        return Resume.model_validate_json(value)
+    except ValidationError as e:
+        raise ValueError(f"invalid {RESUME_HEADER.decode()} header: {e.errors()[0]['msg']}") from None

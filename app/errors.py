@@ -13,6 +13,41 @@ class InvalidRequestError(SpecServeError, ValueError):
         self.param = param
 
 
+class APIError(SpecServeError):
+    """A request answered with OpenAI's error body ({"error": {message, type, param, code}}) and an HTTP
+    status: 400 invalid parameters, 401 bad key, 404 unknown model, 408 timeout, 413 body too large,
+    503 overloaded or no target. Whoever serves HTTP writes it (deployments/http_api.py)."""
+
+    def __init__(self, status: int, message: str, type_: str, param: str | None = None, code=None, headers=None):
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = status, message, type_, param, code
+        self.headers = headers or {}
+
+    @classmethod
+    def from_chunk(cls, err: dict) -> "APIError":
+        """An error chunk of the generation stream as an APIError."""
+        return cls(int(err.get("code") or 503), err["message"], err["type"], err.get("param"), err.get("code"))
+
+    @classmethod
+    def bad(cls, e: InvalidRequestError) -> "APIError":
+        """A refused parameter as a 400 naming it."""
+        return cls(400, str(e), "invalid_request_error", e.param)
+
+
+def invalid(errors: list[dict]) -> APIError:
+    """pydantic errors as a 400 naming the first bad parameter: the fields of its location, without
+    list indices and without the union members pydantic tried (`str`, `literal['none','auto']`, a
+    model's class name), which are no field a client sent."""
+    err = errors[0]
+    param = ".".join(str(p) for p in err.get("loc", ()) if p != "body" and not isinstance(p, int)
+                     and not _union_member(str(p))) or None
+    return APIError(400, f"invalid {param or 'request'}: {err.get('msg')}", "invalid_request_error", param)
+
+
+def _union_member(part: str) -> bool:
+    return "[" in part or part[:1].isupper() or part in ("str", "int", "float", "bool", "dict", "list", "none")
+
+
 class ContextLengthError(InvalidRequestError):
     """The prompt (plus what must be generated) does not fit the model's context."""
 

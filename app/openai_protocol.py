@@ -9,12 +9,11 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validat
 
 from app.chat_template import ChatMessage, TemplateControls
 from app.errors import InvalidRequestError
-from app.params import (MAX_LOGIT_BIAS, MAX_STOP_CHARS, MAX_STOPS, MAX_TOKEN_ID, MIN_TOKENS, SamplingFields,
-                        SamplingParams, SpeculationParams)
+from app.params import (MAX_CHOICES, MAX_LOGIT_BIAS, MAX_STOP_CHARS, MAX_STOPS, MAX_TOKEN_ID, MIN_TOKENS,
+                        SamplingFields, SamplingParams, SpeculationParams)
 from app.structured import GUIDED, MAX_CHOICE_STRINGS, MAX_PATTERN_CHARS, StructuredOutputs, constraint
 from app.tool_calls import MAX_TOOLS, Tool, ToolChoice
 
-MAX_CHOICES = 64  # generations one request may ask for: prompts x n
 MAX_JSON_DEPTH = 64  # nesting of a request body (a JSON schema of 30 nested objects fits)
 TOKEN_ID_KEY = re.compile(r"0|[1-9][0-9]{0,9}")  # a token id as OpenAI's logit_bias keys write it: ASCII decimal
 

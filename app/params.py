@@ -12,6 +12,7 @@ MIN_SEED, MAX_SEED = -(2**63), 2**63 - 1
 # Limits on what one request may ask for (docs/reliability.md lists them with their refusals): each
 # bounds work done on shared loops or tensors shared with other requests.
 MAX_TOKEN_ID = 2**31 - 1  # ids (top_k too) ride in int32/int64 tensors; the model's vocabulary is checked later
+MAX_CHOICES = 64  # generations one request may ask for: prompts x n
 MAX_STOPS = 4  # stop strings per request (OpenAI's limit)
 MAX_STOP_CHARS = 1024  # characters of one stop string
 MAX_STOP_TOKEN_IDS = 64

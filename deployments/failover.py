@@ -26,18 +26,14 @@ import json
 import logging
 import os
 
-from pydantic import BaseModel, Field, ValidationError
-
-from app.chunks import ResumeState
-from app.openai_protocol import MAX_CHOICES, error_body
+from app.chunks import GUARD_HEADER, RESUME_HEADER, Resume, ResumeState
+from app.openai_protocol import error_body
 from app.openai_responses import sse_event
 from deployments.args import LimitsConfig
 
 log = logging.getLogger("ray.serve")
 
 GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions")
-GUARD_HEADER = b"x-specserve-failover"  # set by the middleware: the ingress then reports its state
-RESUME_HEADER = b"x-specserve-resume"  # the state a resumed request continues from
 MARKER = b": specserve "  # an SSE comment carrying state: clients ignore comments, the middleware removes them
 RETRY_AFTER_S = 1
 # The proxy holds every client's connection on its node, so it bounds what it buffers before the
@@ -56,30 +52,9 @@ DRAIN_BYTES = 64 << 20
 DRAIN_S = 10.0
 
 
-class Resume(BaseModel):
-    """A streamed request's state, as the middleware sends it in RESUME_HEADER."""
-
-    rid: str = Field(max_length=128, description="the response id the client has seen")
-    choices: list[ResumeState] = Field(max_length=MAX_CHOICES, description="each choice's state, in the response's order")
-
-    def apply(self, step: dict) -> None:
-        """Take in one event's report: choice `i`'s chunk (its tokens, text, controller state, finish)."""
-        self.choices[step["i"]].record(step)
-
-
 def marker(report: dict) -> str:
     """A state report as the SSE comment the ingress writes beside an event."""
     return f"{MARKER.decode()}{json.dumps(report, separators=(',', ':'))}\n\n"
-
-
-def read_resume(value: str | None) -> Resume | None:
-    """RESUME_HEADER's value; ValueError when it is not a valid state."""
-    if value is None:
-        return None
-    try:
-        return Resume.model_validate_json(value)
-    except ValidationError as e:
-        raise ValueError(f"invalid {RESUME_HEADER.decode()} header: {e.errors()[0]['msg']}") from None
 
 
 def proxy_middlewares() -> list:

@@ -14,6 +14,7 @@ from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from app.errors import APIError, invalid
 from app.openai_protocol import ChatCompletionRequest, CompletionRequest, error_body
 from app.tokenization import DetokenizeRequest, TokenizeCompletionRequest
 
@@ -66,31 +67,18 @@ ERROR_SCHEMA = {"type": "object", "required": ["error"], "properties": {"error":
                    "code": {"type": ["string", "integer", "null"]}}}}}
 
 
-class APIError(Exception):
-    """An error answered with OpenAI's body."""
-
-    def __init__(self, status: int, message: str, type_: str, param: str | None = None, code=None, headers=None):
-        super().__init__(message)
-        self.status, self.message, self.type, self.param, self.code = status, message, type_, param, code
-        self.headers = headers or {}
-
-    @classmethod
-    def from_chunk(cls, err: dict) -> "APIError":
-        """An error chunk of the generation stream as an APIError."""
-        return cls(int(err.get("code") or 503), err["message"], err["type"], err.get("param"), err.get("code"))
-
-    def response(self) -> JSONResponse:
-        return JSONResponse(error_body(self.message, self.type, self.param, self.code), self.status, self.headers)
+def error_response(e: APIError) -> JSONResponse:
+    return JSONResponse(error_body(e.message, e.type, e.param, e.code), e.status, e.headers)
 
 
 @api.exception_handler(APIError)
 async def _api_error(_, exc: APIError):
-    return exc.response()
+    return error_response(exc)
 
 
 @api.exception_handler(RequestValidationError)
 async def _validation_error(_, exc: RequestValidationError):
-    return invalid(exc.errors()).response()
+    return error_response(invalid(exc.errors()))
 
 
 @api.exception_handler(StarletteHTTPException)
@@ -104,17 +92,3 @@ async def _http_error(_, exc: StarletteHTTPException):
 async def _internal(request: Request, exc: Exception):
     log.error("%s %s failed", request.method, request.url.path, exc_info=exc)
     return JSONResponse(error_body(f"internal error: {type(exc).__name__}", "internal_error", code=500), 500)
-
-
-def invalid(errors: list[dict]) -> APIError:
-    """pydantic errors as a 400 naming the first bad parameter: the fields of its location, without
-    list indices and without the union members pydantic tried (`str`, `literal['none','auto']`, a
-    model's class name), which are no field a client sent."""
-    err = errors[0]
-    param = ".".join(str(p) for p in err.get("loc", ()) if p != "body" and not isinstance(p, int)
-                     and not _union_member(str(p))) or None
-    return APIError(400, f"invalid {param or 'request'}: {err.get('msg')}", "invalid_request_error", param)
-
-
-def _union_member(part: str) -> bool:
-    return "[" in part or part[:1].isupper() or part in ("str", "int", "float", "bool", "dict", "list", "none")

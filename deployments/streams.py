@@ -12,10 +12,10 @@ from app.errors import InvalidRequestError
 from app.chunks import Chunk, ResumeState
 from app.tool_calls import Parser, ToolStream
 from app.openai_protocol import error_body
-from app.openai_responses import (ChoiceView, choice_body, combined_speculation, completion_body, sse_event,
-                                  usage_body)
+from app.openai_responses import (ChoiceView, choice_body, combined_speculation, completion_body, join_logprobs,
+                                  sse_event, usage_body)
 from deployments.failover import marker
-from deployments.http_api import APIError
+from app.errors import APIError
 
 log = logging.getLogger("ray.serve")
 RESUME_FIELDS = ("token_ids", "text", "controller", "finish_reason")  # what a state report carries of a chunk
@@ -69,6 +69,21 @@ async def next_chunk(stream, deadline: float, timeout_s: float) -> Chunk:
     except Exception as e:  # the server's fault: said in OpenAI's body, logged with what it was
         log.exception("generation failed")
         raise APIError(500, f"internal error: {type(e).__name__}", "internal_error", code=500) from None
+
+
+async def read_choice(stream, first: Chunk, view: ChoiceView, deadline: float,
+                      timeout_s: float) -> tuple[str, Chunk, dict | None]:
+    """A generation's whole text, its last chunk (finish_reason, usage, speculation) and its logprobs."""
+    last, texts, logprobs = first, [], []
+    while True:
+        text, lp = view.render(last)
+        texts.append(text), logprobs.append(lp)
+        if "finish_reason" in last:
+            break
+        last = await next_chunk(stream, deadline, timeout_s)
+        if last.get("error"):
+            raise APIError.from_chunk(last["error"])
+    return "".join(texts), last, join_logprobs(logprobs)
 
 
 @dataclass

@@ -232,12 +232,13 @@ def test_a_request_the_target_refuses_mid_stream_is_a_400_event():
     assert events[-1] == "data: [DONE]\n\n"
 
 
-def test_each_api_key_gets_its_own_prefix_cache_scope():
-    from deployments.ingress import APIError, Ingress
+def test_each_api_key_gets_its_own_prefix_cache_scope(tokenizer):
+    from app.errors import APIError
+    from app.openai_front import FrontSettings, OpenAIFront
 
     def scope(keys, given):
-        me = SimpleNamespace(api_keys=[k.encode() for k in keys])
-        return Ingress._authorize(me, SimpleNamespace(headers={"authorization": f"Bearer {given}"}))
+        front = OpenAIFront(tokenizer, FrontSettings("m", 64, api_keys=tuple(k.encode() for k in keys)))
+        return front.authorize({"authorization": f"Bearer {given}"})
     assert scope([], "anything") is None  # no keys: one shared scope
     assert scope(["k1", "k2"], "k1") != scope(["k1", "k2"], "k2")
     assert scope(["k1", "k2"], "k1") == scope(["k1"], "k1")  # the scope is the key's, not its place in the list

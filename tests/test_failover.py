@@ -8,8 +8,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from app.chunks import ResumeState
-from deployments.failover import GUARD_HEADER, MARKER, RESUME_HEADER, FailoverMiddleware, Resume, marker, read_resume
+from app.chunks import GUARD_HEADER, RESUME_HEADER, Resume, ResumeState, read_resume
+from deployments.failover import MARKER, FailoverMiddleware, marker
 
 TOKENS = 10  # per choice
 PER_EVENT = 2
@@ -262,20 +262,20 @@ def test_a_resumed_view_neither_echoes_again_nor_restarts_its_text_offsets(token
 
 
 def test_an_ingress_answers_resume_state_that_does_not_fit_the_request_with_a_400(tokenizer):
-    from deployments.ingress import APIError, Ingress
-
+    from app.errors import APIError
     from app.job import GenerationJob
+    from app.openai_front import FrontSettings, OpenAIFront
     from app.params import SamplingParams
 
-    me, jobs = SimpleNamespace(tokenizer=tokenizer), [GenerationJob.new([1, 2], SamplingParams(max_tokens=4))]
+    front, jobs = OpenAIFront(tokenizer, FrontSettings("m", 64)), [GenerationJob.new([1, 2], SamplingParams(max_tokens=4))]
 
     def resume(state, stream=True):
-        return Ingress._resume(me, state, SimpleNamespace(stream=stream), jobs)
+        return front._resume(state, SimpleNamespace(stream=stream), jobs)
 
     def state(*choices):
         return json.dumps({"rid": "cmpl-1", "choices": list(choices)})
     assert resume(state({"seed": 1, "output_ids": [3, 4], "streamed_chars": 2})).choices[0].output_ids == [3, 4]
-    assert Ingress._resume(me, None, SimpleNamespace(stream=True), jobs) is None
+    assert resume(None) is None
     for bad, stream in [(state({"seed": 1, "output_ids": [len(tokenizer)]}), True),  # outside the vocabulary
                         (state({"seed": 1, "output_ids": [1] * 5}), True),  # more than max_tokens
                         (state({"seed": 1}, {"seed": 2}), True),  # two choices for one

@@ -248,7 +248,7 @@ def test_stop_token_ids_end_generation_under_speculation(target_model, tokenizer
 def test_a_bad_value_in_a_union_field_names_the_field_not_the_members_tried():
     from pydantic import ValidationError
 
-    from deployments.http_api import invalid
+    from app.errors import invalid
 
     chat = {"model": "target", "messages": [{"role": "user", "content": "hi"}]}
     for body, model_cls, param in [({**chat, "tools": [], "tool_choice": "sometimes"}, ChatCompletionRequest,

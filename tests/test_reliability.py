@@ -13,7 +13,6 @@ import json
 import threading
 import time
 from dataclasses import dataclass, field
-from types import SimpleNamespace
 
 import httpx
 import pytest
@@ -404,7 +403,8 @@ def test_kv_cache_stays_within_budget_in_a_soak(deployed, reference):
 
 # -- deadlines (no cluster) ----------------------------------------------------------------------
 def test_a_request_past_its_deadline_gets_408_and_cancels_its_generation():
-    from deployments.ingress import APIError, Ingress
+    from app.errors import APIError
+    from deployments.streams import next_chunk
 
     class Stuck:
         cancelled = False
@@ -415,13 +415,12 @@ def test_a_request_past_its_deadline_gets_408_and_cancels_its_generation():
         async def aclose(self):
             self.cancelled = True
 
-    ingress = SimpleNamespace(cfg=SimpleNamespace(limits=SimpleNamespace(request_timeout_s=0.05)))
     stuck = Stuck()
 
     async def go():
         deadline = asyncio.get_running_loop().time() + 0.05
         with pytest.raises(APIError) as e:
-            await Ingress._next(ingress, stuck, deadline)
+            await next_chunk(stuck, deadline, 0.05)
         return e.value
     err = asyncio.run(go())
     assert err.status == 408 and err.type == "timeout_error" and stuck.cancelled  # cancel frees the caches

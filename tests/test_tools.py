@@ -9,7 +9,7 @@ import pytest
 
 from app.engine import Engine
 from app.errors import InvalidRequestError
-from app.grammar import Grammars, grammar_of
+from app.grammar import grammar_of
 from app.params import parse_sampling
 from app.runner import ModelRunner
 from app.tool_calls import PARSERS, NamedToolChoice, Tool, ToolStream, enforced_tools, special_markers
@@ -311,21 +311,17 @@ def test_kept_specials_change_nothing_else_in_the_text(marker_pair):
 @pytest.mark.parametrize("choice", ["auto", "required"])
 def test_a_request_offering_tools_keeps_its_formats_special_markers_in_its_text(choice, marker_pair):
     """With `auto` too: the model may write a call, which its parser must see."""
-    from types import SimpleNamespace
-
+    from app.openai_front import FrontSettings, OpenAIFront
     from app.openai_protocol import ChatCompletionRequest
     from app.params import SamplingParams
-    from deployments.ingress import Ingress
 
     tok, tc = marker_pair[0], marker_pair[0].convert_tokens_to_ids("[TOOL_CALLS]")
-    me = SimpleNamespace(tool_parser=PARSERS["mistral"], tool_markers=special_markers(tok, PARSERS["mistral"]),
-                         grammars=Grammars(tok, len(tok)))
-    me._reader = lambda body: Ingress._reader(me, body)
+    front = OpenAIFront(tok, FrontSettings("m", 256, tool_call_parser="mistral"))
 
     def constrained(tools: list[dict]):
         body = ChatCompletionRequest.model_validate({"model": "m", "messages": [{"role": "user", "content": "hi"}],
                                                      "tools": tools, "tool_choice": choice})
-        return Ingress._tool_constraint(me, body, SamplingParams())
+        return front._tool_constraint(body, SamplingParams())
     sampling = constrained([WEATHER.model_dump()])
     assert sampling.keep_special_token_ids == [tc] and sampling.skip_special_tokens
     assert (sampling.response_format is None) == (choice == "auto")
