@@ -82,6 +82,17 @@ class RoundContext:
     prefill_chunk: int | None = None  # a longer context is prefilled in chunks of this many tokens
 
 
+@dataclass
+class Drafted:
+    """A round's proposal, and how it came: why there is none (a fallback reason), whether one
+    drafted ahead served (None: none was asked ahead), the seconds spent getting it."""
+
+    proposal: Proposal
+    fallback: str | None = None
+    ahead_hit: bool | None = None
+    draft_s: float = 0.0
+
+
 class Rounds:
     """The rounds of one request; `next()` runs one and returns what it kept and how it went."""
 
@@ -125,82 +136,100 @@ class Rounds:
 
     async def next(self) -> tuple[Verdict, RoundFacts]:
         """One round: choose K, get a proposal (drafted ahead, or now, or none), verify, learn."""
-        state, clock = self.state, self.policy.clock
         t_round = time.perf_counter()
         if self.first:
-            self.first = False
-            # the prefill is queued for the target's next forward before the draft is called, so the
-            # call's own work (serialising the context, a hop to the draft pool) never delays it
-            prefill = asyncio.ensure_future(self._verify(Proposal.empty(), 0, None, None, t_round, 0.0))
-            try:
-                await asyncio.sleep(0)
-                with telemetry.span("draft.beside_prefill"):
-                    self.draft_beside_prefill()
-                verdict, facts = await prefill
-            except BaseException:
-                prefill.cancel()
-                raise
-            facts.prompt = True
-            return verdict, facts
+            return await self._prompt_round(t_round)
+        k, fallback = self._choose()
+        self.drafts.adopt_branch(self.state.token_ids)
+        got = await self._propose(k) if k > 0 and fallback is None else Drafted(Proposal.empty(), fallback)
+        if got.fallback != "draft_behind":
+            self.drafts.cancel_main()
+        if got.proposal.tokens and self.policy.ahead and got.proposal.guess is not None:
+            self._draft_ahead(got.proposal)
+            self._draft_branches(got.proposal)
+        return await self._verify(got.proposal, k, got.fallback, got.ahead_hit, t_round, got.draft_s)
+
+    async def _prompt_round(self, t_round: float) -> tuple[Verdict, RoundFacts]:
+        """The request's first round: the target's prefill alone, the draft asked beside it."""
+        self.first = False
+        # the prefill is queued for the target's next forward before the draft is called, so the
+        # call's own work (serialising the context, a hop to the draft pool) never delays it
+        prefill = asyncio.ensure_future(self._verify(Proposal.empty(), 0, None, None, t_round, 0.0))
+        try:
+            await asyncio.sleep(0)
+            with telemetry.span("draft.beside_prefill"):
+                self.draft_beside_prefill()
+            verdict, facts = await prefill
+        except BaseException:
+            prefill.cancel()
+            raise
+        facts.prompt = True
+        return verdict, facts
+
+    def _choose(self) -> tuple[int, str | None]:
+        """This round's K, and why it drafts nothing though speculation is on (None: it drafts, or
+        speculation is off): the draft is down, the controller found K = 0 would pay best, or the
+        gate measured plain steps faster."""
+        state = self.state
         wanted = self.controller.choose(*_costs(state, self.costs, self.verify_cost)) if self.propose else 0
         gated = wanted > 0 and self._gated()
-        if gated:
-            wanted = 0
-        k = within_room(state, wanted)
-        proposal, fallback, ahead_hit, t_draft = Proposal.empty(), None, None, 0.0
-        beside_prompt = False  # the proposal was asked beside the prompt's prefill
-        flexible = self._flexible()
-        self.drafts.adopt_branch(state.token_ids)
-        if k > 0 and clock() < self.draft_down_until:
-            fallback = self.down_reason
-        elif k > 0:
-            t0 = time.perf_counter()
-            beside_prompt = self.drafts.main is not None and self.drafts.main.prompt
-            ready = self.drafts.ready(state.token_ids, flexible)
-            exact = self.drafts.main is not None and self.drafts.main.context == state.token_ids
-            try:
-                if ready is not None:
-                    proposal, ahead_hit = ready, True
-                elif flexible and self.policy.ahead and self.company() and self.costs.draft_keeps_up:
-                    fallback = "draft_behind"  # waiting would cost this sequence its place in the next forward
-                    if not exact:
-                        ahead_hit = False if self.drafts.main is not None else None
-                        self.drafts.cancel_main()
-                        self.drafts.ask_main(list(state.token_ids), k + 1)
-                else:
-                    ahead_hit = exact if self.drafts.main is not None else None
-                    try:
-                        proposal = None
-                        if not exact and flexible and self.drafts.shifted(state.token_ids):
-                            # drafted for this context less its last token (beside the prompt's prefill):
-                            # its forward is under way, so awaiting it beats queueing a new one behind it
-                            proposal = (await self.drafts.wait_main()).after(state.token_ids[-1])
-                            ahead_hit = proposal is not None
-                        elif exact:
-                            proposal = await self.drafts.wait_main()
-                        if proposal is None:
-                            proposal = await self._draft(state.token_ids, k)
-                    except DraftUnavailable:
-                        if flexible:
-                            raise
-                        proposal = await self._draft_again(state.token_ids, k)
-            except DraftUnavailable as e:
-                fallback, self.down_reason = e.reason, e.reason
-                self.draft_down_until = clock() + self.policy.retry_after_s
-                proposal = Proposal.empty()
-            proposal = proposal.head(k)
-            t_draft = time.perf_counter() - t0
-            if beside_prompt:
-                ahead_hit = None
-        elif wanted == 0 and self.propose and state.params.speculation.pinned_k() != 0:
-            # speculation is on, but the controller found it would not pay, or plain steps measured faster
-            fallback = "goodput" if gated else "controller"
-        if fallback != "draft_behind":
-            self.drafts.cancel_main()
-        if proposal.tokens and self.policy.ahead and proposal.guess is not None:
-            self._draft_ahead(proposal)
-            self._draft_branches(proposal)
-        return await self._verify(proposal, k, fallback, ahead_hit, t_round, t_draft)
+        k = within_room(state, 0 if gated else wanted)
+        if k > 0 and self.policy.clock() < self.draft_down_until:
+            return k, self.down_reason
+        if (gated or wanted == 0) and self.propose and state.params.speculation.pinned_k() != 0:
+            return k, "goodput" if gated else "controller"
+        return k, None
+
+    async def _propose(self, k: int) -> Drafted:
+        """This round's proposal: drafted ahead, else awaited now; none while the draft is behind
+        (for a sequence that would lose its place in the next forward) or down (fail open)."""
+        state, flexible, drafts = self.state, self._flexible(), self.drafts
+        t0 = time.perf_counter()
+        beside_prompt = drafts.main is not None and drafts.main.prompt  # asked beside the prompt's prefill
+        ready = drafts.ready(state.token_ids, flexible)
+        exact = drafts.main is not None and drafts.main.context == state.token_ids
+        got = Drafted(Proposal.empty(), None, exact if drafts.main is not None else None)
+        try:
+            if ready is not None:
+                got.proposal, got.ahead_hit = ready, True
+            elif flexible and self.policy.ahead and self.company() and self.costs.draft_keeps_up:
+                got.fallback = "draft_behind"  # waiting would cost this sequence its place in the next forward
+                got.ahead_hit = None
+                if not exact:
+                    got.ahead_hit = False if drafts.main is not None else None
+                    drafts.cancel_main()
+                    drafts.ask_main(list(state.token_ids), k + 1)
+            else:
+                got.proposal = await self._awaited(k, exact, flexible, got)
+        except DraftUnavailable as e:
+            got.fallback, self.down_reason = e.reason, e.reason
+            self.draft_down_until = self.policy.clock() + self.policy.retry_after_s
+            got.proposal = Proposal.empty()
+        got.proposal = got.proposal.head(k)
+        got.draft_s = time.perf_counter() - t0
+        if beside_prompt:
+            got.ahead_hit = None
+        return got
+
+    async def _awaited(self, k: int, exact: bool, flexible: bool, got: Drafted) -> Proposal:
+        """A proposal awaited now: the one asked ahead for this context (or for it less its last token),
+        else a new one; a seeded request's asked again after a failure."""
+        context = self.state.token_ids
+        try:
+            if not exact and flexible and self.drafts.shifted(context):
+                # drafted for this context less its last token (beside the prompt's prefill): its
+                # forward is under way, so awaiting it beats queueing a new one behind it
+                proposal = (await self.drafts.wait_main()).after(context[-1])
+                got.ahead_hit = proposal is not None
+                if proposal is not None:
+                    return proposal
+            elif exact:
+                return await self.drafts.wait_main()
+            return await self._draft(context, k)
+        except DraftUnavailable:
+            if flexible:
+                raise
+            return await self._draft_again(context, k)
 
     async def _verify(self, proposal: Proposal, k: int, fallback: str | None, ahead_hit: bool | None,
                       t_round: float, t_draft: float) -> tuple[Verdict, RoundFacts]:
