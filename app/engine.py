@@ -8,7 +8,7 @@ import asyncio
 import functools
 import uuid
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
@@ -16,7 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 from app import telemetry
 from app.pairing import check_vocabularies
 from app.config import DraftSettings, ModelSettings, SpeculationSettings
-from app.controller import CostEstimator, KController, KControllerConfig
+from app.controller import CostEstimator, KController, KControllerConfig, VerifyCost
 from app.gate import GoodputGate
 from app.driver import DraftPolicy, RoundContext, VerifyFn, run_rounds
 from app.errors import InvalidRequestError
@@ -93,6 +93,41 @@ class GenerationResult:
     prompt_logprobs: list[tuple] | None = None  # per prompt token after the first, when asked
 
 
+@dataclass(frozen=True)
+class EngineSettings:
+    """How the engine runs rounds: the largest K, the draft's sampled candidates, the draft policy
+    (deadlines, drafting ahead, branches), prompt chunks, a target forward's tokens, the goodput gate
+    (measure whether speculating emits more tokens per second than plain steps at the current load,
+    and take plain steps where it does not: app/gate.py), and what K more tokens cost the target now."""
+
+    k_max: int = 8
+    draft_top_n: int = 32
+    policy: DraftPolicy = field(default_factory=DraftPolicy)
+    prefill_chunk: int | None = 512  # most prompt tokens a sequence adds to one target forward
+    max_batch_tokens: int | None = MAX_BATCH_TOKENS  # in process: most positions one target forward computes
+    goodput_gate: bool = False
+    verify_cost: Callable[[], VerifyCost] = lambda: 0.0  # what K more tokens cost the target's forwards now
+
+
+@dataclass(frozen=True)
+class RemoteTarget:
+    """What the engine must be told of a target it reaches through a transport (a runner in this
+    process tells it itself): its tokenizer, vocabulary, context, eos ids (None: the tokenizer's), KV
+    capacity in tokens, and grammars to check requests against."""
+
+    tokenizer: object
+    vocab_size: int
+    max_context: int | None
+    eos_ids: frozenset[int] | None = None
+    kv_capacity: int | None = None
+    grammars: Grammars | None = None
+
+    @classmethod
+    def of(cls, runner: ModelRunner) -> "RemoteTarget":
+        return cls(runner.tokenizer, runner.vocab_size, runner.max_context, runner.eos_ids, runner.capacity_tokens(),
+                   runner.grammars)
+
+
 class Transport(Protocol):
     """How the engine reaches a model: submit a round's item, release a finished sequence's cache."""
 
@@ -108,47 +143,42 @@ class Engine:
     over its own forward queue and a client of the draft pool (deployments.servers).
     """
 
-    def __init__(self, target: ModelRunner | Transport, draft: ModelRunner | Transport | None = None, *,
-                 tokenizer=None, vocab_size: int | None = None, max_context: int | None = None,
-                 k_max: int = 8, draft_top_n: int = 32, policy: DraftPolicy | None = None,
-                 verify_cost: Callable[[], float] = lambda: 0.0, prefill_chunk: int | None = 512,
-                 max_batch_tokens: int | None = MAX_BATCH_TOKENS, eos_ids: frozenset[int] | None = None,
-                 kv_capacity: int | None = None, goodput_gate: bool = False, grammars: Grammars | None = None):
-        """goodput_gate: measure whether speculating emits more tokens per second than plain steps at
-        the current load, and take plain steps where it does not (app/gate.py)."""
+    def __init__(self, target: ModelRunner | Transport, draft: ModelRunner | Transport | None = None,
+                 settings: EngineSettings | None = None, remote: RemoteTarget | None = None):
+        """target, draft: runners in this process, or transports to them (a TargetServer replica's forward
+        queue and its client of the draft pool); `remote` tells what a transported target is."""
+        settings = settings or EngineSettings()
         # the local runners, when in process (benchmarks read their models); None when remote
         self.target = target if isinstance(target, ModelRunner) else None
         self.draft = draft if isinstance(draft, ModelRunner) else None
         if isinstance(target, ModelRunner):
-            tokenizer, vocab_size, max_context = target.tokenizer, target.vocab_size, target.max_context
-            eos_ids, kv_capacity = target.eos_ids, target.capacity_tokens()
+            remote = RemoteTarget.of(target)
             if isinstance(draft, ModelRunner):
                 check_vocabularies(target.tokenizer, draft.tokenizer)
             target = ForwardQueue(in_thread(functools.partial(verify, target), target.thread), target.release,
-                                  name="TargetServer.verify", max_tokens=max_batch_tokens, cost=verify_tokens,
+                                  name="verify.batch", max_tokens=settings.max_batch_tokens, cost=verify_tokens,
                                   forget=target.forget)
         if isinstance(draft, ModelRunner):
-            draft = ForwardQueue(in_thread(functools.partial(propose, draft, top_n=draft_top_n), draft.thread),
-                                 draft.release,
-                                 name="DraftServer.propose", forget=draft.forget)
+            draft = ForwardQueue(in_thread(functools.partial(propose, draft, top_n=settings.draft_top_n), draft.thread),
+                                 draft.release, name="propose.batch", forget=draft.forget)
         self.verifier, self.drafter = target, draft
-        self.tokenizer, self.vocab_size = tokenizer, vocab_size
+        self.tokenizer, self.vocab_size = remote.tokenizer, remote.vocab_size
         # admission: a sequence holds at most the target's whole KV budget, so a context past it is refused
         # (never admitted to be evicted and recomputed every round); past the model's positions, too
-        self.max_context, self.context_limit = max_context, "the model's context"
-        if kv_capacity is not None and (max_context is None or kv_capacity < max_context):
-            self.max_context, self.context_limit = kv_capacity, "the target's KV cache budget"
-        self.eos_ids = eos_ids  # None: the tokenizer's
+        self.max_context, self.context_limit = remote.max_context, "the model's context"
+        if remote.kv_capacity is not None and (remote.max_context is None or remote.kv_capacity < remote.max_context):
+            self.max_context, self.context_limit = remote.kv_capacity, "the target's KV cache budget"
+        self.eos_ids = remote.eos_ids  # None: the tokenizer's
         # to check requests' grammars: the target runner's own where it is in this process (it masks with
         # them); a tensor-parallel replica's ranks hold theirs elsewhere, so it gets one of its own
-        self.grammars = grammars or (self.target.grammars if self.target is not None else Grammars(tokenizer, vocab_size))
-        self.k_max = k_max
-        self.limits = Limits(vocab_size, self.max_context, k_max, self.context_limit, self.grammars.check)
-        self.policy = policy or DraftPolicy()
-        self.verify_cost = verify_cost
-        self.costs = CostEstimator(gate=GoodputGate() if goodput_gate else None)
+        self.grammars = remote.grammars or Grammars(remote.tokenizer, remote.vocab_size)
+        self.k_max = settings.k_max
+        self.limits = Limits(self.vocab_size, self.max_context, self.k_max, self.context_limit, self.grammars.check)
+        self.policy = settings.policy
+        self.verify_cost = settings.verify_cost
+        self.costs = CostEstimator(gate=GoodputGate() if settings.goodput_gate else None)
         self.active = 0  # requests whose rounds run now: with company, a round never waits for the draft
-        self.prefill_chunk = prefill_chunk  # most prompt tokens a sequence adds to one target forward
+        self.prefill_chunk = settings.prefill_chunk  # most prompt tokens a sequence adds to one target forward
         self.prefills = SharedPrefills()  # contexts being prefilled now: same-context sequences wait, then borrow
 
     @classmethod
@@ -156,8 +186,8 @@ class Engine:
         target, draft = load_pair(config.target, config.target_settings, config.draft, config.draft_settings,
                                   MAX_BATCH_TOKENS)
         spec = config.speculation
-        return cls(target, draft, k_max=spec.k_max, draft_top_n=spec.draft_top_n, policy=DraftPolicy.of(spec),
-                   goodput_gate=spec.goodput_gate)
+        return cls(target, draft, EngineSettings(k_max=spec.k_max, draft_top_n=spec.draft_top_n,
+                                                 policy=DraftPolicy.of(spec), goodput_gate=spec.goodput_gate))
 
     @classmethod
     def from_pretrained(cls, target: str, draft: str | None = None, **kwargs) -> "Engine":

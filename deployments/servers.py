@@ -18,7 +18,7 @@ from ray import serve
 from app import telemetry
 from app.controller import VerifyCurve
 from app.driver import DraftPolicy
-from app.engine import Engine
+from app.engine import Engine, EngineSettings, RemoteTarget
 from app.scheduler import ForwardQueue, in_thread
 from app.loading import load_runner
 from app.memory import DRAFT_PREFILL_TOKENS
@@ -192,12 +192,11 @@ class TargetServer(_Server):
             self._warming = _start(self._connect(draft))
         self.draft_client = (DraftClient(draft, max_batch=None, wait_share=lambda: self.round_load.wait_share)
                              if draft is not None else None)
-        self.engine = Engine(self.queue, self.draft_client,
-                             tokenizer=tokenizer, vocab_size=vocab, max_context=max_context,
-                             k_max=speculation.k_max, policy=policy, verify_cost=self._verify_cost,
-                             prefill_chunk=batch.prefill_chunk_tokens, eos_ids=eos, kv_capacity=kv_capacity,
-                             goodput_gate=speculation.goodput_gate,
-                             grammars=self.runner.grammars if self.runner is not None else None)
+        settings = EngineSettings(k_max=speculation.k_max, policy=policy, prefill_chunk=batch.prefill_chunk_tokens,
+                                  goodput_gate=speculation.goodput_gate, verify_cost=self._verify_cost)
+        remote = RemoteTarget(tokenizer, vocab, max_context, eos, kv_capacity,
+                              self.runner.grammars if self.runner is not None else None)
+        self.engine = Engine(self.queue, self.draft_client, settings, remote)
 
     @staticmethod
     async def _connect(draft) -> None:

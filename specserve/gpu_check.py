@@ -42,7 +42,7 @@ from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 from app import dtypes
 from specserve.bench_runs import K_MATCHED, MODES, Mode, forward_ms, run_engine, run_hf
 from app.driver import DraftPolicy
-from app.engine import Engine
+from app.engine import Engine, EngineSettings
 from app.params import SamplingParams
 from app.runner import ModelRunner, SeqInput
 from app.sampling import process_logits, rejection_sample
@@ -194,7 +194,7 @@ def check_served_path(device: str, smoke: bool) -> dict:
         runners = [ModelRunner(m, tok, compile=mode, compile_max_tokens=64) for m in (target, draft)]
         for r in runners:
             r.on_thread(r.warm)  # on the thread its forwards run on: CUDA graphs are recorded per thread
-        engine = Engine(*runners, policy=DraftPolicy(ahead=True))
+        engine = Engine(*runners, EngineSettings(policy=DraftPolicy(ahead=True)))
         engine.generate([shared], params)  # its blocks stay as a prefix donor: the second prompt borrows them
         out = engine.generate([list(ids) for ids in batch], params)
         spec = [r.speculation for r in out]

@@ -6,7 +6,7 @@ import asyncio
 import pytest
 from ray.exceptions import RayActorError
 
-from app.engine import Engine
+from app.engine import Engine, EngineSettings
 from app.job import GenerationJob
 from app.params import SamplingParams
 from app.runner import ModelRunner
@@ -72,7 +72,7 @@ class TargetPool:
 @pytest.fixture()
 def make_engine(target_model, tokenizer):
     draft_model = blend(target_model, 7, 0.9)
-    return lambda: Engine(ModelRunner(target_model, tokenizer), ModelRunner(draft_model, tokenizer), k_max=6)
+    return lambda: Engine(ModelRunner(target_model, tokenizer), ModelRunner(draft_model, tokenizer), EngineSettings(k_max=6))
 
 
 def params(**kw) -> dict:

@@ -11,7 +11,7 @@ import numpy as np
 import torch
 
 import app.spec as spec
-from app.engine import Engine
+from app.engine import Engine, EngineSettings
 from app.params import parse_sampling
 from app.runner import ModelRunner
 from app.spec import ProposeItem, VerifyItem
@@ -119,7 +119,7 @@ def test_greedy_output_with_unsure_stops_is_plain_decoding(target_model, tokeniz
                                                                                 ignore_eos=True))
     from app.draft_policy import DraftPolicy
     engine = Engine(ModelRunner(target_model, tokenizer), ModelRunner(blend(target_model, 7, 0.85), tokenizer),
-                    policy=DraftPolicy(ahead=False, stop_below=0.7))
+                    EngineSettings(policy=DraftPolicy(ahead=False, stop_below=0.7)))
     out = engine.generate(prompts, dict(temperature=0.0, max_tokens=24, ignore_eos=True, speculation={"num_tokens": 6}))
     assert [r.token_ids for r in out] == [r.token_ids for r in plain]
     drafted = sum(r.speculation["drafted_tokens"] for r in out)

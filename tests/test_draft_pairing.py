@@ -13,7 +13,7 @@ from types import SimpleNamespace
 import pytest
 
 from app.driver import DraftPolicy, DraftUnavailable
-from app.engine import Engine
+from app.engine import Engine, EngineSettings
 from app.params import SamplingParams
 from app.runner import ModelRunner
 from app.scheduler import ForwardQueue, in_thread
@@ -183,8 +183,8 @@ def draft_model(target_model):
 def run(target_model, tokenizer, draft_model, names, events, params):
     pool = Pool(lambda name: Replica(name, draft_model, tokenizer), names, events)
     client = CountingClient(pool)
-    engine = Engine(ModelRunner(target_model, tokenizer), client, k_max=4,
-                    policy=DraftPolicy(ahead=False, retry_after_s=0.0))  # one call in flight per sequence
+    engine = Engine(ModelRunner(target_model, tokenizer), client,
+                    EngineSettings(k_max=4, policy=DraftPolicy(ahead=False, retry_after_s=0.0)))  # one call in flight per sequence
     return engine.generate(PROMPTS, params), pool, client
 
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from app.draft_policy import DraftPolicy
-from app.engine import Engine
+from app.engine import Engine, EngineSettings
 from app.errors import ContextLengthError, InvalidRequestError, VocabularyMismatchError
 from app.params import SamplingParams
 from app.runner import ModelRunner
@@ -36,7 +36,7 @@ def drafts(target_model):
 def test_greedy_is_token_identical_to_plain_decoding(kind, k, drafts, target_model, tokenizer):
     # proposals of K, as asked (a proposal that ends where the draft is unsure: tests/test_draft_length.py)
     engine = Engine(ModelRunner(target_model, tokenizer), ModelRunner(drafts[kind], tokenizer),
-                    policy=DraftPolicy(stop_below=0.0))
+                    EngineSettings(policy=DraftPolicy(stop_below=0.0)))
     batch = engine.generate(PROMPTS, greedy(num_tokens=k))
     alone = engine.generate(PROMPTS[1], greedy(num_tokens=k))[0]
     for r in batch + [alone]:

@@ -14,7 +14,7 @@ from transformers import LogitsProcessor, LogitsProcessorList
 
 import app.grammar
 import app.spec as spec
-from app.engine import Engine
+from app.engine import Engine, EngineSettings
 from app.errors import InvalidRequestError
 from app.grammar import Grammars, grammar_of
 from app.logits import LogitRules
@@ -103,7 +103,7 @@ def test_sampled_structured_output_is_valid_for_every_seed(byte_tokenizer, byte_
 def test_the_draft_masks_q_with_the_same_grammar(byte_tokenizer, byte_target, monkeypatch):
     """Target as its own draft, q untruncated: with the grammar on both sides q = p, every token passes.
     Planted bug: a draft that ignores the grammar proposes tokens the target's grammar refuses."""
-    engine = Engine(ModelRunner(byte_target, byte_tokenizer), ModelRunner(byte_target, byte_tokenizer), draft_top_n=0)
+    engine = Engine(ModelRunner(byte_target, byte_tokenizer), ModelRunner(byte_target, byte_tokenizer), EngineSettings(draft_top_n=0))
     params = dict(temperature=1.0, seed=5, max_tokens=60, response_format=JSON_SCHEMA, speculation={"num_tokens": 4})
     same = engine.generate(PROMPTS, params)
     assert all(r.speculation["acceptance_rate"] > 0.97 for r in same), [r.speculation for r in same]

@@ -131,7 +131,6 @@ MAX_PARAMETERS, MAX_LINES = 8, 60  # a function's parameters (self aside) and it
 # Functions past those limits today, with their (parameters, lines): issue 42 is shrinking this list.
 # It may only shrink: a new entry, or an entry grown, fails; an entry back within the limits must go.
 OVER_LIMITS = {
-    "app/engine.py:Engine.__init__": (15, 42),
     "app/memory.py:size_kv_budget": (10, 23),
     "app/memory.py:working_bytes": (10, 46),
     "app/request.py:RequestState.__init__": (9, 39),

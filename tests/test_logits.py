@@ -14,7 +14,7 @@ from transformers import (LogitsProcessor, LogitsProcessorList, MinNewTokensLeng
                           RepetitionPenaltyLogitsProcessor, SequenceBiasLogitsProcessor)
 
 import app.spec as spec
-from app.engine import Engine
+from app.engine import Engine, EngineSettings
 from app.errors import InvalidRequestError
 from app.logits import LogitRules
 from app.params import SamplingParams, parse_sampling
@@ -234,7 +234,7 @@ def processed_with(rules: LogitRules, logits: torch.Tensor, history: list[int], 
 def test_the_draft_processes_q_with_the_same_rules(target_model, tokenizer, monkeypatch):
     """With the target as its own draft (q untruncated) and the rules on both sides, q = p: every draft
     token passes. Planted bug: a draft that ignores the rules proposes tokens the penalised target rejects."""
-    engine = Engine(ModelRunner(target_model, tokenizer), ModelRunner(target_model, tokenizer), draft_top_n=0)
+    engine = Engine(ModelRunner(target_model, tokenizer), ModelRunner(target_model, tokenizer), EngineSettings(draft_top_n=0))
     params = dict(temperature=1.0, seed=11, max_tokens=24, ignore_eos=True, speculation={"num_tokens": 4},
                   **RULES["all"])
     same = engine.generate(PROMPTS, params)
@@ -287,7 +287,7 @@ def test_processed_logprobs_are_those_of_the_distribution_sampled_from(target_mo
 
 def test_prompt_logprobs_score_every_prompt_token_after_the_first_across_chunks(target_model, tokenizer):
     engine = Engine(ModelRunner(target_model, tokenizer), ModelRunner(blend(target_model, 7, 0.85), tokenizer),
-                    prefill_chunk=4)
+                    EngineSettings(prefill_chunk=4))
     prompt = PROMPTS[1]
     r = engine.generate(prompt, dict(temperature=0, max_tokens=4, ignore_eos=True, prompt_logprobs=2))[0]
     ids = r.prompt_token_ids

@@ -20,7 +20,7 @@ def test_a_16k_prompt_stays_within_the_memory_model(tmp_path):
         from conftest import make_tokenizer
         from transformers import LlamaConfig, LlamaForCausalLM
         from app.driver import DraftPolicy
-        from app.engine import Engine
+        from app.engine import Engine, EngineSettings
         from app.memory import working_bytes
         from app.params import SamplingParams
         from app.runner import ModelRunner
@@ -34,7 +34,7 @@ def test_a_16k_prompt_stays_within_the_memory_model(tmp_path):
             return LlamaForCausalLM(cfg).eval()
         tok = make_tokenizer()
         target, draft = ModelRunner(model(4), tok), ModelRunner(model(1), tok, max_forward_tokens=512)
-        engine = Engine(target, draft, prefill_chunk=512, policy=DraftPolicy(timeout_s=600))
+        engine = Engine(target, draft, EngineSettings(prefill_chunk=512, policy=DraftPolicy(timeout_s=600)))
         prompt = torch.randint(2, 98, ({PROMPT_TOKENS},), generator=torch.Generator().manual_seed(1)).tolist()
         engine.generate([prompt[:600]], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))  # warm up
         def rss():

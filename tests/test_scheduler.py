@@ -10,7 +10,7 @@ import torch
 from app.controller import CostEstimator
 from app.gate import GoodputGate
 from app.driver import DraftPolicy, DraftUnavailable
-from app.engine import Engine
+from app.engine import Engine, EngineSettings
 from app.scheduler import ForwardQueue
 from app.params import SamplingParams
 from app.job import GenerationJob
@@ -50,8 +50,8 @@ class DraftLags(CostEstimator):
 def engine(target_model, draft_model, tokenizer):
     def make(ahead: bool = True, draft=None, **kw) -> Engine:
         target = ModelRunner(target_model, tokenizer)
-        eng = Engine(target, draft or ModelRunner(draft_model, tokenizer), k_max=6, policy=DraftPolicy(ahead=ahead),
-                     **kw)
+        eng = Engine(target, draft or ModelRunner(draft_model, tokenizer),
+                     EngineSettings(k_max=6, policy=DraftPolicy(ahead=ahead), **kw))
         eng.costs = DraftLags()
         return eng
     return make
@@ -168,8 +168,8 @@ def test_branches_hide_the_draft_after_rejections_and_change_no_token(target_mod
     draft = ModelRunner(blend(target_model, 7, 0.8), tokenizer)  # disagrees often: rounds end in rejections
 
     def run(branches: int):
-        eng = Engine(ModelRunner(target_model, tokenizer), draft, k_max=6,
-                     policy=DraftPolicy(ahead=True, branches=branches))
+        eng = Engine(ModelRunner(target_model, tokenizer), draft,
+                     EngineSettings(k_max=6, policy=DraftPolicy(ahead=True, branches=branches)))
         eng.costs = DraftLags()
         out = [eng.generate([p], greedy(num_tokens=4))[0] for p in PROMPTS]  # one at a time: alone
         return out, sum(r.speculation["draft_ahead_hit_rate"] for r in out)
@@ -259,8 +259,8 @@ class NeverAnswers:
 
 
 def test_a_draft_past_its_deadline_falls_open(engine, target_model, tokenizer, reference):
-    eng = Engine(ModelRunner(target_model, tokenizer), NeverAnswers(), tokenizer=tokenizer,
-                 policy=DraftPolicy(timeout_s=0.01, retry_after_s=3600.0))
+    eng = Engine(ModelRunner(target_model, tokenizer), NeverAnswers(),
+                 EngineSettings(policy=DraftPolicy(timeout_s=0.01, retry_after_s=3600.0)))
     r = eng.generate([PROMPTS[0]], greedy(num_tokens=3))[0]
     assert r.token_ids == reference[tuple(PROMPTS[0])]
     # every round fell back but the first (the prompt's prefill: a plain step by design) and perhaps the
@@ -328,7 +328,7 @@ class CancelsItsCalls:
 
 
 def test_a_proposal_cancelled_by_the_draft_side_falls_open_instead_of_stalling(target_model, tokenizer, reference):
-    eng = Engine(ModelRunner(target_model, tokenizer), CancelsItsCalls(), tokenizer=tokenizer)
+    eng = Engine(ModelRunner(target_model, tokenizer), CancelsItsCalls())
     r = eng.generate([PROMPTS[0]], greedy(num_tokens=3))[0]
     assert r.token_ids == reference[tuple(PROMPTS[0])]
     assert r.speculation["fallback_rounds"] > 0 and r.speculation["drafted_tokens"] == 0
@@ -474,8 +474,8 @@ class PlainFaster(GoodputGate):
 
 def test_where_the_gate_measured_plain_steps_faster_flexible_requests_never_call_the_draft(
         target_model, tokenizer, draft_model, reference):
-    eng = Engine(ModelRunner(target_model, tokenizer), ModelRunner(draft_model, tokenizer), k_max=6,
-                 policy=DraftPolicy(ahead=True), goodput_gate=True)
+    eng = Engine(ModelRunner(target_model, tokenizer), ModelRunner(draft_model, tokenizer),
+                 EngineSettings(k_max=6, policy=DraftPolicy(ahead=True), goodput_gate=True))
     eng.costs = DraftLags(gate=PlainFaster())
     eng.active = 1  # another request in flight throughout: the gate decides for sequences with company
     out = eng.generate([PROMPTS[0], PROMPTS[2]], greedy())

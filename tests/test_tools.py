@@ -7,7 +7,7 @@ import json
 import jsonschema
 import pytest
 
-from app.engine import Engine
+from app.engine import Engine, EngineSettings
 from app.errors import InvalidRequestError
 from app.grammar import grammar_of
 from app.params import parse_sampling
@@ -152,7 +152,7 @@ def test_a_draft_that_ignores_the_call_grammar_lowers_acceptance_but_never_chang
     import app.spec as spec
 
     tok, target, _ = byte_pair
-    engine = Engine(ModelRunner(target, tok), ModelRunner(target, tok), draft_top_n=0)
+    engine = Engine(ModelRunner(target, tok), ModelRunner(target, tok), EngineSettings(draft_top_n=0))
     fmt = {"type": "grammar", "grammar": PARSERS["hermes"]().grammar([WEATHER], parallel=False)}
     params = dict(temperature=0, max_tokens=80, response_format=fmt, speculation={"num_tokens": 4})
     masked = engine.generate(["call a tool:", "x"], params)
