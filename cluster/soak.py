@@ -349,11 +349,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--overload", type=int, metavar="FACTOR",
                    help="instead of the soak: FACTOR x the target pool's capacity at once (capacity kept small)")
     args = p.parse_args(argv)
-    target, draft = args.target, args.draft
-    if not (target and draft):
-        from specserve.demo import demo_pair
+    from specserve.demo import models
 
-        target, draft = demo_pair()
+    target, draft = models(args.target, args.draft, "demo")
     if args.overload:
         report = overload(target, draft, args.overload, max_tokens=args.max_tokens)
         print(json.dumps(report, indent=1))

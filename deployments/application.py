@@ -20,15 +20,13 @@ from deployments.servers import DraftServer, TargetServer
 
 
 def resolve_models(cfg: AppConfig) -> tuple[str, str | None]:
-    """Model paths; unnamed models come from the built pair `cfg.pair` (built on first use)."""
-    target, draft = cfg.target.model, cfg.draft.model if cfg.draft else None
-    if target is None or (cfg.draft is not None and draft is None):
-        from specserve.demo import pair
+    """Model paths: as named, else the built pair `cfg.pair`'s (specserve.demo.models)."""
+    draft = cfg.draft.model if cfg.draft else None
+    if cfg.target.model is not None and (draft is not None or cfg.draft is None):
+        return cfg.target.model, draft  # nothing to fill in: the pair builder is not imported
+    from specserve.demo import models
 
-        pair_target, pair_draft = pair(cfg.pair)
-        target = target or pair_target
-        draft = draft or (pair_draft if cfg.draft is not None else None)
-    return target, draft
+    return models(cfg.target.model, draft, cfg.pair, with_draft=cfg.draft is not None)
 
 
 def tensor_parallel_options(cfg: AppConfig) -> dict:

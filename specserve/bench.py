@@ -262,12 +262,9 @@ def add_bench_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
 
 
 def _load(args) -> Engine:
-    target, draft = args.target, args.draft
-    if not target or not draft:
-        from specserve.demo import pair
+    from specserve.demo import models
 
-        pair_target, pair_draft = pair("quick" if args.quick else args.pair)
-        target, draft = target or pair_target, draft or pair_draft
+    target, draft = models(args.target, args.draft, "quick" if args.quick else args.pair)
     return Engine.from_pretrained(target, draft, dtype=args.dtype, draft_dtype=args.draft_dtype, device=args.device,
                                   draft_ahead=args.draft_ahead, compile=args.compile)
 

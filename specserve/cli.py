@@ -12,15 +12,12 @@ def _pair_name(args) -> str:
 
 def _models(args) -> tuple[str, str | None]:
     """The target and draft to use (local directories): the ones given, fetched where they are remote
-    (app/sources.py), else the built pair (built on first use)."""
-    if args.target:
-        from app.sources import local_model
+    (app/sources.py), else the built pair's (specserve.demo.models)."""
+    from app.sources import local_model
+    from specserve.demo import models
 
-        return local_model(args.target), local_model(args.draft) if args.draft else None
-    from specserve.demo import pair
-
-    target, draft = pair(_pair_name(args))
-    return target, args.draft or draft
+    target, draft = models(args.target, args.draft, _pair_name(args))
+    return local_model(target), local_model(draft) if draft else None
 
 
 def cmd_generate(args) -> int:
@@ -52,7 +49,7 @@ def cmd_serve(args) -> int:
         overrides["target"] = {"model": args.target}
     if args.draft:
         overrides["draft"] = {"model": args.draft}
-    if not args.target or not args.draft:
+    if not args.target:
         from specserve.demo import pair
 
         pair(_pair_name(args))  # build with its progress lines here, before the replicas need it

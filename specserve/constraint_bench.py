@@ -47,14 +47,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--k", type=int, default=4, help="draft tokens per round")
     p.add_argument("--tool-parser", default="hermes", choices=sorted(PARSERS))
     args = p.parse_args(argv)
-    if (args.target is None) != (args.draft is None):
-        p.error("give --target and --draft together, or neither (the demo pair)")
-    from specserve.demo import demo_pair
+    from specserve.demo import models
     from specserve.demo.corpus import load_heldout_prompts
 
-    if args.target is None:
-        args.target, args.draft = demo_pair()
-    engine = Engine.from_pretrained(args.target, args.draft)
+    engine = Engine.from_pretrained(*models(args.target, args.draft, "demo"))
     prompts = [p["prompt"] for p in load_heldout_prompts() if p["kind"] == "code"][: args.prompts]
     report = {}
     for name, fmt in constraints(engine.tokenizer, args.tool_parser).items():

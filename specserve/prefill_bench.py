@@ -57,11 +57,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--threads", type=int, default=1)
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
-    if args.target is None:
-        from specserve.demo import demo_pair
+    from specserve.demo import models
 
-        args.target, _ = demo_pair()
-    engine = Engine.from_pretrained(args.target)
+    engine = Engine.from_pretrained(models(args.target, None, "demo", with_draft=False)[0])
     ids = engine.tokenizer(TEXT.read_text())["input_ids"][: args.prompt_tokens]
     report = {}
     for name, chunk in (("whole", None), (f"chunks of {args.chunk}", args.chunk)):

@@ -242,3 +242,18 @@ def test_a_recipe_trial_changes_only_the_fields_it_names():
     assert plan.draft == full.draft and plan.batch == full.batch and plan.seq_len == full.seq_len
     with pytest.raises(TypeError):
         trial_plan({"target_stepz": 7})
+
+
+def test_unnamed_models_come_from_the_pair_and_a_named_target_brings_its_own_draft(monkeypatch):
+    """One rule wherever a command or the app lets models go unnamed (specserve.demo.models)."""
+    import specserve.demo as demo
+
+    built = []
+    monkeypatch.setattr(demo, "pair", lambda name, cache_dir=None: built.append(name) or (f"{name}/t", f"{name}/d"))
+    assert demo.models(None, None, "demo") == ("demo/t", "demo/d")
+    assert demo.models(None, "mine/d", "demo") == ("demo/t", "mine/d")
+    assert demo.models(None, None, "quick", with_draft=False) == ("quick/t", None)
+    assert built == ["demo", "demo", "quick"]
+    assert demo.models("mine/t", None) == ("mine/t", None)  # never the pair's draft, made for the pair's target
+    assert demo.models("mine/t", "mine/d") == ("mine/t", "mine/d")
+    assert built == ["demo", "demo", "quick"]  # a named target builds nothing

@@ -29,6 +29,18 @@ def pair(name: str = DEFAULT_PAIR, cache_dir: str | None = None) -> tuple[str, s
     return demo_pair(quick=name == "quick", cache_dir=cache_dir)
 
 
+def models(target: str | None, draft: str | None, name: str = DEFAULT_PAIR, *, with_draft: bool = True,
+           cache_dir: str | None = None) -> tuple[str, str | None]:
+    """The target and draft to load, wherever a command or the app lets models go unnamed: each as
+    named; with no target named, the built pair `name`'s target, and its draft unless one is named
+    (the pair is built on first use). A named target gets no draft it did not name: the pair's was
+    made for the pair's target. `with_draft=False`: no draft at all."""
+    if target is None:
+        pair_target, pair_draft = pair(name, cache_dir)
+        target, draft = pair_target, draft or pair_draft
+    return target, draft if with_draft else None
+
+
 def build_cli(args) -> int:
     """`specserve demo-models`: build (if needed) the pair, then print where it is and how it does."""
     from specserve.demo.measure import measure_pair
@@ -57,5 +69,5 @@ def build_cli(args) -> int:
     return 0
 
 
-__all__ = ["DEFAULT_PAIR", "PAIRS", "build_cli", "demo_pair", "load_heldout_prompts", "measure_pair", "pair",
+__all__ = ["DEFAULT_PAIR", "PAIRS", "build_cli", "demo_pair", "load_heldout_prompts", "measure_pair", "models", "pair",
            "pair_dir", "write_heldout_prompts"]
