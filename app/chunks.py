@@ -23,7 +23,7 @@ class Chunk(TypedDict, total=False):
     token_ids: list[int]  # the tokens a round kept (several rounds' when sending lagged: merged)
     text: str  # their text, less what is held back (a partial stop string, an incomplete UTF-8 sequence)
     controller: tuple  # the K controller's state after the round: resume state (GenerationJob.controller)
-    logprobs: list  # per kept token, when the request asked for them (app/spec.py's shape)
+    logprobs: list  # per kept token, when the request asked for them (app/speculation/steps.py's shape)
     prompt_logprobs: list  # the prompt's, once, when asked
     finish_reason: str  # the last message only, with usage and speculation
     usage: dict

@@ -42,7 +42,7 @@ class ModelSettings(BaseModel):
         "to start, naming the settings to change (vLLM's max_model_len). None: the model's positions, lowered "
         "to what the KV cache holds.")
     packed_weights: Literal["model", "bfloat16"] = Field(
-        "model", description="CPU: the dtype of the packed linears' weights (app/cpu_linear.py). bfloat16 halves "
+        "model", description="CPU: the dtype of the packed linears' weights (app/model/cpu_linear.py). bfloat16 halves "
         "the bytes a step streams while activations stay in the model's dtype; the weights are rounded once. "
         "For a draft it changes only its proposals, never the output (the target verifies every token); "
         "for a target it changes the model.")
@@ -57,7 +57,7 @@ class DraftSettings(ModelSettings):
 
     proposal_vocab: int | None = Field(
         None, ge=1, description="The draft proposes from its n most frequent tokens alone (the ranking beside its "
-        "weights, token_ranking.json): its head computes n rows instead of the vocabulary's (app/draft_vocab.py). "
+        "weights, token_ranking.json): its head computes n rows instead of the vocabulary's (app/speculation/draft_vocab.py). "
         "Exact: the target verifies every token. None (or a draft without a ranking): the whole head.")
 
 

@@ -14,22 +14,22 @@ from typing import Protocol
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from app import telemetry
-from app.pairing import check_vocabularies
+from app.speculation.pairing import check_vocabularies
 from app.config import DraftSettings, ModelSettings, SpeculationSettings
-from app.controller import CostEstimator, KController, KControllerConfig, VerifyCost
-from app.gate import GoodputGate
-from app.driver import DraftPolicy, RoundContext, VerifyFn, run_rounds
+from app.speculation.controller import CostEstimator, KController, KControllerConfig, VerifyCost
+from app.speculation.gate import GoodputGate
+from app.speculation.driver import DraftPolicy, RoundContext, VerifyFn, run_rounds
 from app.errors import InvalidRequestError
 from app.scheduler import ForwardQueue, in_thread
 from app.grammar import Grammars
-from app.kv import PREFIX_BLOCK
-from app.loading import load_pair
+from app.model.kv import PREFIX_BLOCK
+from app.model.loading import load_pair
 from app.params import SamplingParams, parse_sampling
 from app.chunks import Chunk
 from app.job import GenerationJob, Limits, admit
 from app.request import RequestState
-from app.runner import ModelRunner
-from app.spec import family, propose, verify, verify_tokens
+from app.model.runner import ModelRunner
+from app.speculation.steps import family, propose, verify, verify_tokens
 from app.telemetry import NoObserver, RoundObserver
 
 MAX_BATCH_TOKENS = 2048  # most positions one target forward computes in process (the KV budget leaves room for it)
@@ -98,7 +98,7 @@ class EngineSettings:
     """How the engine runs rounds: the largest K, the draft's sampled candidates, the draft policy
     (deadlines, drafting ahead, branches), prompt chunks, a target forward's tokens, the goodput gate
     (measure whether speculating emits more tokens per second than plain steps at the current load,
-    and take plain steps where it does not: app/gate.py), and what K more tokens cost the target now."""
+    and take plain steps where it does not: app/speculation/gate.py), and what K more tokens cost the target now."""
 
     k_max: int = 8
     draft_top_n: int = 32
@@ -137,7 +137,7 @@ class Transport(Protocol):
 
 
 class Engine:
-    """Serves many requests at once by batching their rounds continuously (app.driver).
+    """Serves many requests at once by batching their rounds continuously (app.speculation.driver).
 
     In process both models are local forward queues; a TargetServer replica builds the same engine
     over its own forward queue and a client of the draft pool (deployments.servers).
@@ -291,7 +291,7 @@ class Engine:
         await self.verifier.release(seq_id)
         if self.drafter:
             await self.drafter.release(seq_id)  # a draft pool's client frees the request's branches with it
-            if self.draft is not None:  # in process: the queue frees each branch's cache (app/spec.py, family)
+            if self.draft is not None:  # in process: the queue frees each branch's cache (app/speculation/steps.py, family)
                 for branch in family(seq_id)[1:]:
                     await self.drafter.release(branch)
 
@@ -316,7 +316,7 @@ class SharedPrefills:
     """The contexts an engine's target is prefilling now, so that sequences with the same context (a
     request's n choices) compute it once: the first to arrive leads, the others wait until its first
     verify over the whole context has returned (its KV is then in the target's store), then start.
-    Their first round borrows that KV (a prefix hit, app/kv.py) and computes only the last position.
+    Their first round borrows that KV (a prefix hit, app/model/kv.py) and computes only the last position.
     Without this they would prefill it n times over, in one forward; waiting costs them one round.
 
     Keyed by (context ids, cache salt): a sequence borrows only within its salt. Only contexts that

@@ -1,7 +1,7 @@
 """Structured output: a grammar (any JSON object, or a JSON schema) masks the logits, exactly.
 
 The mask at a position is a function of the tokens before it: the grammar's state after the output
-so far and the draft tokens before that position. Like the rules of app/logits.py it therefore
+so far and the draft tokens before that position. Like the rules of app/speculation/logits.py it therefore
 keeps speculation exact. A verify round advances one matcher along its proposal, taking each row's
 mask before consuming that row's draft token, and rolls it back after; a draft token the grammar
 refuses has p = 0 there and is rejected, and the rows after it are never read. The draft masks its
@@ -15,7 +15,7 @@ engine must run where only torch and transformers are installed (`make gpu-check
 Matchers are state kept per sequence, like KV caches: each is resynchronised to the tokens the call
 carries (rolled back to the common prefix, then advanced), so any replica can serve any round and
 a lost matcher only costs recomputation. That makes them safe to bound: a matcher goes with its
-sequence's KV (app/kv.py's on_drop), and beyond MAX_MATCHERS the least recently used go, so a draft
+sequence's KV (app/model/kv.py's on_drop), and beyond MAX_MATCHERS the least recently used go, so a draft
 replica whose sequences' releases never come (their target died, or released on another draft
 replica) does not keep their matchers for ever.
 """
@@ -28,13 +28,13 @@ from dataclasses import dataclass, field
 import torch
 
 from app.errors import InvalidRequestError
-from app.kv import common_prefix
-from app.structured import JSON_LAYOUT
+from app.model.kv import common_prefix
+from app.openai.structured import JSON_LAYOUT
 
 
 def grammar_of(response_format: dict | None) -> str | None:
     """The llguidance grammar of a response_format (None: free text): OpenAI's JSON ones, and vLLM's
-    structured outputs (a regex, a choice of strings, a Lark grammar; app/structured.py)."""
+    structured outputs (a regex, a choice of strings, a Lark grammar; app/openai/structured.py)."""
     if not response_format or response_format["type"] == "text":
         return None
     import llguidance

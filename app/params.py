@@ -56,7 +56,7 @@ class SpeculationParams(BaseModel):
 
 class SamplingFields(BaseModel):
     """The sampling and stopping fields that a request body and SamplingParams share, each declared
-    once: the OpenAI request models (app/openai_protocol.py) derive from it and pass them on as they
+    once: the OpenAI request models (app/openai/protocol.py) derive from it and pass them on as they
     are. Every float is finite (a NaN compares false with every bound, so it would pass them), every
     integer bounded."""
 
@@ -75,7 +75,7 @@ class SamplingFields(BaseModel):
                                       description="Token ids that end generation (excluded from the output), "
                                                   "beside the model's end-of-sequence ids; ignore_eos does not "
                                                   "apply to them.")
-    # rules that depend on the tokens before each position (app/logits.py): exact under speculation
+    # rules that depend on the tokens before each position (app/speculation/logits.py): exact under speculation
     presence_penalty: float = Field(0.0, ge=-2.0, le=2.0,
                                     description="Subtracted from the logit of every token already in the output.")
     frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0,
@@ -131,7 +131,7 @@ class SamplingParams(SamplingFields):
     keep_special_token_ids: list[TokenId] = Field(
         default_factory=list, max_length=MAX_KEPT_SPECIALS,
         description="Special tokens shown in the text even when special tokens are skipped: a tool-call format's "
-                    "markers (app/tool_calls.py), which its parser must see.")
+                    "markers (app/openai/tool_calls.py), which its parser must see.")
 
     @field_validator("response_format")
     @classmethod
@@ -147,7 +147,7 @@ class SamplingParams(SamplingFields):
             if not isinstance(schema, dict):
                 raise ValueError("json_schema.schema must be a JSON schema (an object)")
             return {"type": "json_schema", "json_schema": {"name": spec.get("name", "schema"), "schema": schema}}
-        # vLLM's structured outputs (app/structured.py): a regex, a choice of strings, a Lark grammar
+        # vLLM's structured outputs (app/openai/structured.py): a regex, a choice of strings, a Lark grammar
         if kind in ("regex", "grammar") and isinstance(text := v.get(kind), str) and 0 < len(text) <= 1 << 16:
             return {"type": kind, kind: text}
         if kind == "choice" and isinstance(c := v.get("choice"), list) and 0 < len(c) <= 1024 and all(

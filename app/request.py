@@ -3,9 +3,9 @@
 import functools
 from dataclasses import dataclass, field
 
-from app.logits import LogitRules
+from app.speculation.logits import LogitRules
 from app.params import SamplingParams
-from app.runner import tokenizer_eos_ids
+from app.model.runner import tokenizer_eos_ids
 
 REPLACEMENT = "\ufffd"  # what a decoder shows for a UTF-8 sequence cut mid-way
 DETOKENIZE_CONTEXT = 5  # tokens decoded again before new ones: how a piece reads can depend on those before it
@@ -117,7 +117,7 @@ class RequestState:
         """Built from an admitted job (app/job.py, which checks the prompt against the context).
         seed: the request's draw seed (the job's; params.seed when not given); output_ids and
         streamed_chars: what an earlier replica already streamed, when a request resumes after
-        failover; eos_ids: the model's end-of-sequence ids (app.runner.eos_ids: its generation
+        failover; eos_ids: the model's end-of-sequence ids (app.model.runner.eos_ids: its generation
         config's and its tokenizer's), by default the tokenizer's alone."""
         self.request_id = request_id
         self.prompt_ids = list(prompt_ids)
@@ -143,7 +143,7 @@ class RequestState:
         # the ids that end generation: the model's eos ids (unless ignored) and the request's own
         self.stop_ids = (frozenset() if params.ignore_eos else self.eos_ids) | frozenset(params.stop_token_ids)
         self.rules = LogitRules.of(params, len(self.prompt_ids), self.stop_ids)
-        # per output token when asked for: (logprob, [(id, logprob), ...]) (app.spec.token_logprobs)
+        # per output token when asked for: (logprob, [(id, logprob), ...]) (app.speculation.steps.token_logprobs)
         self.logprobs: list[tuple] = []
         self.prompt_logprobs: list[tuple] = []  # the prompt's tokens after its first, when asked for
         if self.finished and params.stop and len(self.output_ids) >= params.min_tokens:

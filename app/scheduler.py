@@ -9,14 +9,14 @@ before prompt chunks. So:
 - a sequence with a round waiting is in the next forward unless that forward's budget is full, and
   then in the one after;
 - no forward computes more positions than the budget the memory model sized its buffers for
-  (app/memory.py), except a single item larger than it (a runner prefills such a context in
+  (app/model/memory.py), except a single item larger than it (a runner prefills such a context in
   chunks of `max_forward_tokens` first: `ModelRunner.prefill`).
 
 What is submitted is decided elsewhere, and keeps the invariant useful:
 - a prompt longer than `prefill_chunk` enters chunk by chunk, each chunk one item in one forward
-  beside the other sequences' rounds (app/driver.py, `run_rounds`);
+  beside the other sequences' rounds (app/speculation/driver.py, `run_rounds`);
 - a greedy or unseeded round with company never waits for its draft: it takes a plain step
-  instead of holding its place (app/driver.py, "never wait with company").
+  instead of holding its place (app/speculation/driver.py, "never wait with company").
 
 Here: the queue (`ForwardQueue`) over app/coalesce.py's serial batcher, which applies the budget
 and the order. The forward runs in a worker thread, so the event loop keeps streaming and calling

@@ -232,7 +232,7 @@ GPU_ARGS = {
     # byte cap: the CPU config's 1 GiB would hold ~13k tokens of the 70B target per rank). Each must
     # hold one sequence of max_model_len or its replica refuses to start; `specserve plan` on this
     # manifest: ~470k tokens per target rank, ~490k on the draft's L4 (k8s/README.md)
-    # from object storage, fetched once into the shared cache (app/sources.py): a new pod of a node that
+    # from object storage, fetched once into the shared cache (app/model/sources.py): a new pod of a node that
     # already has it loads at once, where a per-pod download took the 140 GB again
     "target": {"model": "s3://specserve-models/meta-llama/Llama-3.1-70B-Instruct", "download_dir": MODEL_CACHE,
                "dtype": "bfloat16", "tensor_parallel_size": TP,

@@ -11,8 +11,8 @@ from ray.serve import Application
 from ray.serve.config import RequestRouterConfig
 from transformers import AutoConfig, AutoTokenizer
 
-from app.pairing import check_vocabularies
-from app.sources import local_model
+from app.speculation.pairing import check_vocabularies
+from app.model.sources import local_model
 from deployments.affinity import ChoiceGroupRouter, SessionAffinityRouter
 from deployments.args import AppConfig
 from deployments.ingress import Ingress

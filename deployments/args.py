@@ -14,7 +14,7 @@ class ModelConfig(ModelSettings):
     model: str | None = Field(
         None, description="A local or mounted directory (a PVC), a hub id, or object storage (s3://bucket/prefix, "
         "gs://bucket/prefix); None = the built pair's model (`pair`). Each node fetches a remote model once "
-        "(app/sources.py).")
+        "(app/model/sources.py).")
     revision: str | None = Field(None, description="A hub id's branch, tag or commit, pinned (vLLM's --revision).")
     download_dir: str | None = Field(
         None, description="Where each node keeps the models it fetches, shared by its replicas (a node-local disk "
@@ -90,7 +90,7 @@ class AppConfig(BaseModel):
         "(SmolLM2-135M-Instruct and its distilled draft), demo (a toy trained on the standard library) or quick.")
     served_model_name: str | None = Field(None, description="Name in /v1/models; default: the target's name.")
     tool_call_parser: Literal["hermes", "llama3_json", "mistral"] | None = Field(
-        None, description="How the target writes tool calls (app/tool_calls.py): hermes (Hermes, Qwen 2.5), llama3_json "
+        None, description="How the target writes tool calls (app/openai/tool_calls.py): hermes (Hermes, Qwen 2.5), llama3_json "
         "(Llama 3.1-3.3) or mistral; None refuses chat requests that offer tools.")
     chat_template: str | None = Field(
         None, description="The chat template to serve with, instead of the tokenizer's (for a checkpoint whose "

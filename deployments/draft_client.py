@@ -13,8 +13,8 @@ import logging
 from collections.abc import Callable
 
 from app.coalesce import MicroBatcher
-from app.driver import DraftUnavailable
-from app.spec import Proposal, ProposeItem, family, parent_of
+from app.speculation.driver import DraftUnavailable
+from app.speculation.steps import Proposal, ProposeItem, family, parent_of
 from deployments.affinity import Calls, Homes, members
 from deployments.dispatch import own_serve_request
 

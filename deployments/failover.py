@@ -27,8 +27,8 @@ import logging
 import os
 
 from app.chunks import GUARD_HEADER, RESUME_HEADER, Resume, ResumeState
-from app.openai_protocol import error_body
-from app.openai_responses import sse_event
+from app.openai.protocol import error_body
+from app.openai.responses import sse_event
 from deployments.args import LimitsConfig
 
 log = logging.getLogger("ray.serve")

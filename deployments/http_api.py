@@ -15,8 +15,8 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from app.errors import APIError, invalid
-from app.openai_protocol import ChatCompletionRequest, CompletionRequest, error_body
-from app.tokenization import DetokenizeRequest, TokenizeCompletionRequest
+from app.openai.protocol import ChatCompletionRequest, CompletionRequest, error_body
+from app.openai.tokenization import DetokenizeRequest, TokenizeCompletionRequest
 
 log = logging.getLogger("ray.serve")
 

@@ -1,4 +1,4 @@
-"""OpenAI-compatible HTTP ingress: the Serve replica that holds the OpenAI front end (app/openai_front.py:
+"""OpenAI-compatible HTTP ingress: the Serve replica that holds the OpenAI front end (app/openai/front.py:
 auth, parsing, chat template, tokenization, responses) and streams each request from the targets.
 
 The FastAPI app and its errors are in deployments/http_api.py, reading the generation streams and
@@ -22,10 +22,10 @@ from transformers import AutoTokenizer
 from app import telemetry
 from app.chunks import GUARD_HEADER, RESUME_HEADER
 from app.errors import APIError
-from app.openai_front import FrontSettings, OpenAIFront, Prepared
-from app.openai_protocol import ChatCompletionRequest, CompletionRequest, new_id
-from app.sources import local_model, log_into
-from app.tokenization import DetokenizeRequest, TokenizeChatRequest, TokenizeCompletionRequest
+from app.openai.front import FrontSettings, OpenAIFront, Prepared
+from app.openai.protocol import ChatCompletionRequest, CompletionRequest, new_id
+from app.model.sources import local_model, log_into
+from app.openai.tokenization import DetokenizeRequest, TokenizeChatRequest, TokenizeCompletionRequest
 from deployments.args import AppConfig, chat_template_text
 from deployments.dispatch import Dispatcher
 from deployments.http_api import api, narrow_schema

@@ -16,17 +16,17 @@ import ray
 from ray import serve
 
 from app import telemetry
-from app.controller import VerifyCurve
-from app.driver import DraftPolicy
+from app.speculation.controller import VerifyCurve
+from app.speculation.driver import DraftPolicy
 from app.engine import Engine, EngineSettings, RemoteTarget
 from app.scheduler import ForwardQueue, in_thread
-from app.loading import load_runner
-from app.memory import DRAFT_PREFILL_TOKENS
+from app.model.loading import load_runner
+from app.model.memory import DRAFT_PREFILL_TOKENS
 from app.chunks import Chunk
 from app.job import GenerationJob
-from app.runner import eos_ids, load_generation_config
-from app.sources import local_model, log_into
-from app.spec import Proposal, propose, verify, verify_tokens
+from app.model.runner import eos_ids, load_generation_config
+from app.model.sources import local_model, log_into
+from app.speculation.steps import Proposal, propose, verify, verify_tokens
 from deployments.affinity import Calls
 from deployments.autoscaling import CallerWaits, Observers, RoundLoad
 from deployments.args import (

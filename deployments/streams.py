@@ -10,9 +10,9 @@ from ray.serve.exceptions import BackPressureError
 
 from app.errors import InvalidRequestError
 from app.chunks import Chunk, ResumeState
-from app.tool_calls import Parser, ToolStream
-from app.openai_protocol import error_body
-from app.openai_responses import (ChoiceView, choice_body, combined_speculation, completion_body, join_logprobs,
+from app.openai.tool_calls import Parser, ToolStream
+from app.openai.protocol import error_body
+from app.openai.responses import (ChoiceView, choice_body, combined_speculation, completion_body, join_logprobs,
                                   sse_event, usage_body)
 from deployments.failover import marker
 from app.errors import APIError
@@ -110,7 +110,7 @@ class StreamedChoices:
     are not), in the order of `streams` and `firsts` (each stream's first chunk); `views` render every
     choice. With `starts`, each event goes with a report of the state it leaves its choice in
     (deployments/failover.py); `sent`: for a resumed stream, each choice's text so far
-    (app/tool_calls.py, ToolStream)."""
+    (app/openai/tool_calls.py, ToolStream)."""
 
     live: list[int]
     firsts: list[Chunk]

@@ -20,9 +20,9 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from transformers import AutoConfig
 
 from app.errors import ReplicaFault, is_fault
-from app.loading import load_runner, warm_up
-from app.memory import agree_on_budget
-from app.spec import Verdict, VerifyItem, verify
+from app.model.loading import load_runner, warm_up
+from app.model.memory import agree_on_budget
+from app.speculation.steps import Verdict, VerifyItem, verify
 from deployments.args import TargetConfig
 
 

@@ -30,7 +30,7 @@ import sys
 import torch
 from tqdm.auto import tqdm
 
-from app.controller import CostEstimator, expected_speedup
+from app.speculation.controller import CostEstimator, expected_speedup
 from app.engine import Engine
 from specserve.bench_runs import MODES, Mode, PromptRun, measure_costs, measure_syncs, run_one
 from specserve.figures import (WARMUP_TOKENS, ExactnessError, differences, fmt, latency_summary, load_prompts,
@@ -243,7 +243,7 @@ def add_bench_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--device", default="cpu", help="torch device of both models")
     p.add_argument("--threads", type=int, help="torch CPU threads (default: torch's; 1 is steadier on a busy machine)")
     p.add_argument("--compile", default="off", choices=["off", "default", "reduce-overhead"],
-                   help="in process: both models' steps as compiled graphs (app/compiled.py), compiled before timing")
+                   help="in process: both models' steps as compiled graphs (app/model/compiled.py), compiled before timing")
     p.add_argument("--draft-ahead", action="store_true",
                    help="in process: draft round n+1 while round n verifies (off by default in process: EngineConfig.speculation.draft_ahead)")
     p.add_argument("--modes", help=f"comma-separated subset of: {', '.join(MODES)} (default: all); with --url: "

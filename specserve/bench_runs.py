@@ -14,10 +14,10 @@ from transformers import DynamicCache
 from transformers.generation.streamers import BaseStreamer
 
 from app.engine import Engine
-from app.hf_compat import with_cache
+from app.model.hf_compat import with_cache
 from app.params import SamplingParams
-from app.spec import Proposal, ProposeItem, VerifyItem, propose, verify
-from app.syncs import SyncCounter
+from app.speculation.steps import Proposal, ProposeItem, VerifyItem, propose, verify
+from app.model.syncs import SyncCounter
 from specserve.figures import Timed
 
 
@@ -174,7 +174,7 @@ def measure_costs(engine: Engine, context: int, ks: list[int], steps: int = 20) 
 
 
 def measure_syncs(engine: Engine, ids: list[list[int]], k: int = 4) -> dict:
-    """Host syncs (app/syncs.py) of one steady round over a batch of the prompts, greedy and sampled:
+    """Host syncs (app/model/syncs.py) of one steady round over a batch of the prompts, greedy and sampled:
     the draft's proposal (k tokens and its guess) and the target's verify of it."""
     out = {"batch": len(ids), "k": k}
     for name, params in (("greedy", SamplingParams(temperature=0, max_tokens=k + 1)),

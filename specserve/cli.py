@@ -12,8 +12,8 @@ def _pair_name(args) -> str:
 
 def _models(args) -> tuple[str, str | None]:
     """The target and draft to use (local directories): the ones given, fetched where they are remote
-    (app/sources.py), else the built pair's (specserve.demo.models)."""
-    from app.sources import local_model
+    (app/model/sources.py), else the built pair's (specserve.demo.models)."""
+    from app.model.sources import local_model
     from specserve.demo import models
 
     target, draft = models(args.target, args.draft, _pair_name(args))

@@ -12,7 +12,7 @@ import argparse
 import json
 
 from app.engine import Engine
-from app.tool_calls import PARSERS, Tool, special_markers
+from app.openai.tool_calls import PARSERS, Tool, special_markers
 
 WEATHER = Tool.model_validate({"type": "function", "function": {"name": "get_weather", "parameters": {
     "type": "object", "properties": {"city": {"type": "string", "maxLength": 12}, "unit": {"enum": ["c", "f"]}},

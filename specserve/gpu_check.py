@@ -20,7 +20,7 @@ architecture, with random weights scaled so its distributions are peaked like a 
    compiled, 32 requests (greedy and seeded sampled), recompiles an error once warm, syncs counted
    (torch.cuda.set_sync_debug_mode); a second run must give the same tokens.
 6. benchmark: a Llama-shaped target of about 1B parameters and a 2-layer draft in bf16 (float32 on a
-   CPU without native bf16, where the bf16 identity check is skipped too: `app.dtypes`); the K+1
+   CPU without native bf16, where the bf16 identity check is skipped too: `app.model.dtypes`); the K+1
    verify cost against one step at batch 1, 8 and 32, the cost ratio c, and tok/s of speculative
    decoding against HF `generate` and HF assisted generation.
 
@@ -39,13 +39,13 @@ import torch
 import torch._dynamo
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
-from app import dtypes
+from app.model import dtypes
 from specserve.bench_runs import K_MATCHED, MODES, Mode, forward_ms, run_engine, run_hf
-from app.driver import DraftPolicy
+from app.speculation.driver import DraftPolicy
 from app.engine import Engine, EngineSettings
 from app.params import SamplingParams
-from app.runner import ModelRunner, SeqInput
-from app.sampling import process_logits, rejection_sample
+from app.model.runner import ModelRunner, SeqInput
+from app.speculation.sampling import process_logits, rejection_sample
 
 log = logging.getLogger("specserve.gpu_check")  # not __name__: run as __main__
 VOCAB = 32000
@@ -215,7 +215,7 @@ def check_served_path(device: str, smoke: bool) -> dict:
 # --- 3a. attention paths -------------------------------------------------------------------------
 
 def check_attention(device: str, smoke: bool) -> dict:
-    """Each GPU attention path (app/ragged.py) in bf16 where the device has it, eager: greedy output of a
+    """Each GPU attention path (app/model/ragged.py) in bf16 where the device has it, eager: greedy output of a
     batch of 16 against HF `generate` (bf16: a difference only at a near-tie, as in check_identity), and
     the step's time at batch 1, 8 and 32 over 512 cached positions. varlen (one kernel call per layer
     for the batch) against per_sequence (one SDPA call per sequence per layer) decides auto's choice."""

@@ -4,10 +4,10 @@
     python -m specserve.kv_bench --model DIR [--compile default|off]    # a model's whole forwards
 
 A batch of `sequences` sequences with `rows` new query rows each and `keys` to `keys + 7 * sequences`
-cached positions, in blocks of app.kv.BLOCK_SIZE, read four ways: a view of one run of the
-`[heads, slots, dim]` pool (what app/ragged.py does where a table is one run), the same pool
+cached positions, in blocks of app.model.kv.BLOCK_SIZE, read four ways: a view of one run of the
+`[heads, slots, dim]` pool (what app/model/ragged.py does where a table is one run), the same pool
 gathered per sequence (a table in several runs), a `[blocks, heads, 16, dim]` pool gathered per
-sequence, one padded, masked SDPA call over the batch, and the paged CPU kernel (app/cpu_attention.py:
+sequence, one padded, masked SDPA call over the batch, and the paged CPU kernel (app/model/cpu_attention.py:
 one call for the batch, tables in one run or scattered; float32, up to its MAX_ROWS rows). fp32 and
 bf16.
 """
@@ -17,8 +17,8 @@ import time
 
 import torch
 
-from app import cpu_attention
-from app.kv import BLOCK_SIZE, SequenceCache
+from app.model import cpu_attention
+from app.model.kv import BLOCK_SIZE, SequenceCache
 
 
 def _time(fn, repeats: int) -> float:
@@ -76,7 +76,7 @@ def layouts(sequences: int, rows: int, keys: int, heads: int, head_dim: int, dty
     out = {"view of one run": view, "gathered from [heads, slots, dim]": gather_slots,
            "gathered from [blocks, heads, 16, dim]": gather_blocks, "one padded masked call": padded}
     if cpu_attention.usable(dtype, flat.device) and rows <= cpu_attention.MAX_ROWS:
-        # the paged kernel (app/cpu_attention.py): every sequence in one call, through its block table
+        # the paged kernel (app/model/cpu_attention.py): every sequence in one call, through its block table
         batch = torch.cat(queries, 2)
         result = torch.zeros(1, batch.shape[2], heads, head_dim)
         for name, order in (("paged kernel, tables in one run", list(range(num_blocks))),
@@ -87,7 +87,7 @@ def layouts(sequences: int, rows: int, keys: int, heads: int, head_dim: int, dty
     return out
 
 
-class _Span:  # app.ragged.Span's fields the kernel reads
+class _Span:  # app.model.ragged.Span's fields the kernel reads
     def __init__(self, blocks: list[int], start: int, length: int, offset: int):
         self.entry = SequenceCache([], blocks)
         self.start, self.length, self.offset = start, length, offset
@@ -98,7 +98,7 @@ def steps(model_dir: str, compile: str, sequences: int, keys: int, repeats: int)
     each taking 1 row (a decode step) and 5 rows (a K = 4 verify), for each CPU attention path."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from app.runner import ModelRunner, SeqInput
+    from app.model.runner import ModelRunner, SeqInput
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()

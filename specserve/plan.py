@@ -2,7 +2,7 @@
 
 Per deployment (the draft server, the target server: per tensor-parallel rank), from the model's
 config.json on the meta device (no weights, no GPU, no network): the device's memory, the weights
-per rank, the working buffers of its largest forward (app/memory.py, the formula a replica sizes
+per rank, the working buffers of its largest forward (app/model/memory.py, the formula a replica sizes
 its KV cache with), the KV bytes and tokens that leaves at memory_utilization, max_model_len, and
 whether one sequence of max_model_len fits. Exits 1 when any does not.
 
@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 import yaml
 
-from app.memory import CPU_DEFAULT_BYTES, DRAFT_PREFILL_TOKENS, kv_bytes_per_token, working_bytes
+from app.model.memory import CPU_DEFAULT_BYTES, DRAFT_PREFILL_TOKENS, kv_bytes_per_token, working_bytes
 
 MiB, GiB = 1 << 20, 1 << 30
 CONFIGS = Path(__file__).resolve().parents[1] / "cluster" / "model_configs"
@@ -111,7 +111,7 @@ def plan_model(name: str, settings, config: dict, gpu: str | None, forward_token
     work = working_bytes(cfg, dtype, forward_tokens, cfg.vocab_size, context=max_len, attention=attention,
                          logit_rows=logit_rows, batch=batch, tp_size=tp, device_type="cuda" if gpu else "cpu")
     per_token = kv_bytes_per_token(cfg, dtype, tp)
-    if gpu is None:  # a CPU replica: the byte cap alone (app/memory.py)
+    if gpu is None:  # a CPU replica: the byte cap alone (app/model/memory.py)
         total, kv = 0, settings.max_cache_bytes or CPU_DEFAULT_BYTES
     else:
         if gpu not in GPU_BYTES:

@@ -18,8 +18,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from app.params import SamplingParams
-from app.runner import ModelRunner, weights_dtype
-from app.spec import Proposal, VerifyItem, verify
+from app.model.runner import ModelRunner, weights_dtype
+from app.speculation.steps import Proposal, VerifyItem, verify
 
 
 def _rounds(runner: ModelRunner, k: int, batch: int, rounds: int) -> list[float]:

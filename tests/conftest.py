@@ -5,7 +5,7 @@ import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
-from app.runner import ModelRunner
+from app.model.runner import ModelRunner
 
 VOCAB = 98  # the tokenizer: printable ASCII, newline, <s> and </s>
 
@@ -86,7 +86,7 @@ def model_dirs(tmp_path_factory, target_model, tokenizer):
 
 def kv_store(blocks: int, on_drop=lambda seq_id: None):
     """A KV store over a pool of `blocks` blocks of one layer, one head of width 2 (for the store's own tests)."""
-    from app.kv import KVStore
+    from app.model.kv import KVStore
 
     probe = KVStore(1 << 30)
     probe.configure(1, 1, 2, torch.float32, torch.device("cpu"))
@@ -97,7 +97,7 @@ def kv_store(blocks: int, on_drop=lambda seq_id: None):
 
 def put_ids(store, seq_id: str, ids, salt: str | None = None):
     """Store a sequence of these token ids (its KV left unwritten: the store's bookkeeping alone)."""
-    from app.kv import SequenceCache
+    from app.model.kv import SequenceCache
 
     entry = SequenceCache(list(ids))
     store.reserve(entry, 0, len(entry), frozenset({seq_id}))

@@ -1,4 +1,4 @@
-"""Proposals drafted ahead (app/ahead.py, DraftsAhead): which one fits a round's context, consumed
+"""Proposals drafted ahead (app/speculation/ahead.py, DraftsAhead): which one fits a round's context, consumed
 once; the shifted form for flexible requests only; a branch adopted where the main one misses; and
 nothing left running once a request ends. The round loop's use of them: tests/test_scheduler.py."""
 
@@ -6,8 +6,8 @@ import asyncio
 
 import torch
 
-from app.ahead import DraftsAhead
-from app.spec import Proposal
+from app.speculation.ahead import DraftsAhead
+from app.speculation.steps import Proposal
 
 
 def proposal(tokens: list[int], guess: int | None = None) -> Proposal:

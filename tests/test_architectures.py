@@ -18,7 +18,7 @@ from transformers import (
 )
 
 from app.engine import Engine
-from app.runner import ModelRunner
+from app.model.runner import ModelRunner
 from tests.conftest import VOCAB
 
 SMALL = {"hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 4, "num_key_value_heads": 2,
@@ -105,7 +105,7 @@ def test_greedy_through_the_engine_equals_generate(family, tokenizer):
 
 
 def test_the_kv_cache_keyword_is_the_one_the_models_forward_takes():
-    from app.hf_compat import returned_cache, with_cache
+    from app.model.hf_compat import returned_cache, with_cache
 
     class Old(torch.nn.Module):  # transformers before 5.2x
         def forward(self, input_ids, past_key_values=None, use_cache=None):

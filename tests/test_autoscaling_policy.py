@@ -182,7 +182,7 @@ def test_the_ramp_goes_one_to_peak_to_one():
 
 def test_kv_pressure_counts_live_sequences_not_retired_donors(target_runner):
     """A pool full of finished sequences kept as prefix donors is no pressure: they go first, free."""
-    from app.runner import SeqInput
+    from app.model.runner import SeqInput
 
     store = target_runner.cache
     target_runner.forward([SeqInput("a", list(range(3, 40)), 1), SeqInput("b", list(range(5, 60)), 1)])

@@ -4,9 +4,9 @@ so time to first token tells a client nothing of another's prompts; output is th
 import torch
 
 from app.engine import Engine
-from app.kv import PREFIX_BLOCK, block_keys
+from app.model.kv import PREFIX_BLOCK, block_keys
 from app.params import SamplingParams
-from app.runner import ModelRunner, SeqInput
+from app.model.runner import ModelRunner, SeqInput
 from conftest import blend, kv_store, put_ids
 
 ATOL = 1e-4

@@ -9,11 +9,11 @@ import torch
 
 from app.engine import Engine
 from app.errors import InvalidRequestError
-from app.chat_template import TemplateControls, chat_prompt_ids
-from app.openai_protocol import ChatCompletionRequest, default_max_tokens
+from app.openai.chat_template import TemplateControls, chat_prompt_ids
+from app.openai.protocol import ChatCompletionRequest, default_max_tokens
 from app.params import SamplingParams
 from app.request import DETOKENIZE_CONTEXT, RequestState
-from app.runner import ModelRunner, eos_ids
+from app.model.runner import ModelRunner, eos_ids
 from tests.conftest import blend, make_tokenizer
 
 
@@ -175,7 +175,7 @@ def test_a_bad_job_over_the_handle_fails_alone_with_a_typed_error(change, param,
 
 
 def test_a_template_that_iterates_the_parts_gets_them_and_a_string_template_gets_them_joined(tokenizer):
-    from app.chat_template import iterates_content
+    from app.openai.chat_template import iterates_content
 
     # the way multimodal families' templates read content (Llama 3.2 Vision, Qwen2-VL): a loop over the parts
     parts_template = ("{% for m in messages %}{{ m['role'] }}:{% for p in m['content'] | selectattr('type', "

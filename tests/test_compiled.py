@@ -1,4 +1,4 @@
-"""Compiled steps (app/compiled.py): the eager forward's tokens, no compile once warm, eager where a
+"""Compiled steps (app/model/compiled.py): the eager forward's tokens, no compile once warm, eager where a
 compiled step cannot be trusted or built."""
 
 import logging
@@ -7,9 +7,9 @@ import pytest
 import torch
 from torch._dynamo.utils import counters
 
-from app import compiled
+from app.model import compiled
 from app.engine import Engine
-from app.runner import ModelRunner, SeqInput
+from app.model.runner import ModelRunner, SeqInput
 from conftest import blend, make_model
 from test_engine import PROMPTS, greedy, reference
 

@@ -4,7 +4,7 @@ import random
 
 import pytest
 
-from app.controller import (
+from app.speculation.controller import (
     CostConfig,
     CostEstimator,
     KController,
@@ -15,7 +15,7 @@ from app.controller import (
     optimal_k,
     verify_extra,
 )
-from app.gate import GoodputGate
+from app.speculation.gate import GoodputGate
 
 
 def draft_round(rng: random.Random, alpha: float, k: int) -> int:
@@ -312,7 +312,7 @@ def test_a_slow_hop_is_a_fixed_cost_that_a_longer_k_amortises():
     """The wait for a proposal is a fixed part (hop, queue) plus the draft's steps. Read as a cost per
     step, a 10 ms hop on a 1 ms draft step made c look large, and the smaller K became the larger it
     looked (K spiralled to 0). Split, the hop is paid once a round and K stays long."""
-    from app.controller import CostEstimator, KController
+    from app.speculation.controller import CostEstimator, KController
 
     split, lumped = CostEstimator(), CostEstimator()
     for k in (4, 3, 2, 1):  # rounds as K shrinks: waits of 10 ms + 1 ms per step; 20 ms target rounds
@@ -398,7 +398,7 @@ def test_an_idle_gap_or_a_sequence_alone_measures_nothing():
     clock.t += 10 * gate.window_s  # no rounds for a while: the window's rate would be meaningless
     gate.emitted(5, 2)
     assert gate.pooled == {} and gate.allows()
-    for _ in range(8):  # a sequence alone: its own controller weighs its costs (app/driver.py never asks)
+    for _ in range(8):  # a sequence alone: its own controller weighs its costs (app/speculation/driver.py never asks)
         clock.t += gate.window_s
         gate.emitted(1, 1)
     assert gate.pooled == {}
@@ -416,10 +416,10 @@ def test_a_proposal_after_plain_steps_does_not_price_the_draft(tokenizer):
     import asyncio
     import itertools
 
-    from app.driver import RoundContext, run_rounds
+    from app.speculation.driver import RoundContext, run_rounds
     from app.params import SamplingParams
     from app.request import RequestState
-    from app.spec import Proposal, Verdict
+    from app.speculation.steps import Proposal, Verdict
 
     script = itertools.chain([0, 0, 0, 3, 3, 0, 3, 3], itertools.repeat(0))  # the first K: beside the prompt
 

@@ -1,4 +1,4 @@
-"""The paged CPU attention kernel (app/cpu_attention.py) against torch's SDPA over the same keys."""
+"""The paged CPU attention kernel (app/model/cpu_attention.py) against torch's SDPA over the same keys."""
 
 import ctypes
 import subprocess
@@ -7,8 +7,8 @@ import sys
 import pytest
 import torch
 
-from app import cpu_attention, native
-from app.kv import BLOCK_SIZE
+from app.model import cpu_attention, native
+from app.model.kv import BLOCK_SIZE
 
 pytestmark = pytest.mark.skipif(cpu_attention.kernel() is None, reason="no C++ compiler to build the kernel")
 
@@ -97,7 +97,7 @@ def test_loading_the_kernel_leaves_the_process_floating_point_mode_alone():
 
 def test_without_a_compiler_attention_stays_per_sequence(monkeypatch, tmp_path, target_model, tokenizer):
     """No compiler and nothing cached: auto is one SDPA call per sequence; asking for the kernel is an error."""
-    from app.runner import ModelRunner
+    from app.model.runner import ModelRunner
 
     monkeypatch.setenv("SPECSERVE_KERNEL_CACHE", str(tmp_path))
     monkeypatch.setattr(native.shutil, "which", lambda name: None)

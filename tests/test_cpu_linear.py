@@ -1,4 +1,4 @@
-"""The small-row CPU linear (app/cpu_linear.py, app/kernels/small_gemm.cpp): the same product as
+"""The small-row CPU linear (app/model/cpu_linear.py, app/model/kernels/small_gemm.cpp): the same product as
 F.linear to rounding, bit-identical rows whatever else is in the call, and the same tokens compiled
 and eager."""
 
@@ -8,8 +8,8 @@ import pytest
 import torch
 from torch import nn
 
-from app import cpu_linear, native
-from app.runner import ModelRunner, SeqInput
+from app.model import cpu_linear, native
+from app.model.runner import ModelRunner, SeqInput
 
 pytestmark = pytest.mark.skipif(not cpu_linear.kernel_available(), reason="no C++ compiler to build the kernel")
 

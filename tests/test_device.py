@@ -5,10 +5,10 @@ the logits as living on another device (tests/device_guard.py): mixing it with a
 import pytest
 import torch
 
-from app.logits import LogitRules
+from app.speculation.logits import LogitRules
 from app.params import SamplingParams
-from app.sampling import process_logits, rejection_sample, sample, uniform
-from app.spec import (
+from app.speculation.sampling import process_logits, rejection_sample, sample, uniform
+from app.speculation.steps import (
     Proposal,
     ProposeItem,
     VerifyItem,

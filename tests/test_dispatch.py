@@ -9,7 +9,7 @@ from ray.exceptions import RayActorError
 from app.engine import Engine, EngineSettings
 from app.job import GenerationJob
 from app.params import SamplingParams
-from app.runner import ModelRunner
+from app.model.runner import ModelRunner
 from conftest import blend
 from deployments.args import AppConfig
 from deployments.dispatch import Dispatcher

@@ -10,11 +10,11 @@ draft_stop_below), exact in every mode.
 import numpy as np
 import torch
 
-import app.spec as spec
+import app.speculation.steps as spec
 from app.engine import Engine, EngineSettings
 from app.params import parse_sampling
-from app.runner import ModelRunner
-from app.spec import ProposeItem, VerifyItem
+from app.model.runner import ModelRunner
+from app.speculation.steps import ProposeItem, VerifyItem
 from conftest import blend
 from test_logits import Bigram
 from test_sampling import assert_law, law_of
@@ -117,7 +117,7 @@ def test_greedy_output_with_unsure_stops_is_plain_decoding(target_model, tokeniz
     prompts = ["def f(x):", "hello world", "{[(", "zzz ~~~"]
     plain = Engine(ModelRunner(target_model, tokenizer)).generate(prompts, dict(temperature=0.0, max_tokens=24,
                                                                                 ignore_eos=True))
-    from app.draft_policy import DraftPolicy
+    from app.speculation.draft_policy import DraftPolicy
     engine = Engine(ModelRunner(target_model, tokenizer), ModelRunner(blend(target_model, 7, 0.85), tokenizer),
                     EngineSettings(policy=DraftPolicy(ahead=False, stop_below=0.7)))
     out = engine.generate(prompts, dict(temperature=0.0, max_tokens=24, ignore_eos=True, speculation={"num_tokens": 6}))
@@ -130,7 +130,7 @@ def test_greedy_output_with_unsure_stops_is_plain_decoding(target_model, tokeniz
 def test_off_a_cpu_the_steps_read_nothing_until_the_end(target_model, tokenizer, monkeypatch):
     """Where a read stalls the device (a GPU) the steps run to k with no read between them, and each
     row's length comes back with its tokens in the one copy: the same reads as a fixed-K proposal."""
-    from app.syncs import SyncCounter
+    from app.model.syncs import SyncCounter
 
     draft = ModelRunner(blend(target_model, 7, 0.9), tokenizer)
     asks = [ProposeItem(f"s{i}", list(range(3 + i, 30)), 4, GREEDY, seed=i, guess=True) for i in range(3)]

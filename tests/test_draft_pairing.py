@@ -12,12 +12,12 @@ from types import SimpleNamespace
 
 import pytest
 
-from app.driver import DraftPolicy, DraftUnavailable
+from app.speculation.driver import DraftPolicy, DraftUnavailable
 from app.engine import Engine, EngineSettings
 from app.params import SamplingParams
-from app.runner import ModelRunner
+from app.model.runner import ModelRunner
 from app.scheduler import ForwardQueue, in_thread
-from app.spec import propose
+from app.speculation.steps import propose
 from conftest import blend
 from deployments.affinity import Homes
 from deployments.draft_client import DraftClient

@@ -1,4 +1,4 @@
-"""A draft that proposes from its most frequent tokens (app/draft_vocab.py), exact in every mode.
+"""A draft that proposes from its most frequent tokens (app/speculation/draft_vocab.py), exact in every mode.
 
 - the restricted head: the kept tokens' logits are the whole head's, the others FLOOR;
 - loaded from a draft directory's ranking (EngineConfig's proposal_vocab), its proposals use kept
@@ -14,13 +14,13 @@ import json
 import numpy as np
 import torch
 
-import app.spec as spec
-from app.compiled import agrees
-from app.draft_vocab import FLOOR, RANKING, SubsetHead, restrict_head
+import app.speculation.steps as spec
+from app.model.compiled import agrees
+from app.speculation.draft_vocab import FLOOR, RANKING, SubsetHead, restrict_head
 from app.engine import Engine
 from app.params import parse_sampling
-from app.runner import ModelRunner
-from app.spec import ProposeItem
+from app.model.runner import ModelRunner
+from app.speculation.steps import ProposeItem
 from conftest import VOCAB, blend
 from test_logits import Bigram, first_two
 from test_sampling import assert_detectable, assert_law, law_of, processed
@@ -93,7 +93,7 @@ def test_sampled_rounds_with_a_restricted_draft_follow_the_target_law():
     assert (draft[:, [1, 4, 5]] == FLOOR).all()
     prompt = [1, 4]
     params = parse_sampling(dict(temperature=1.0, max_tokens=8, repetition_penalty=1.3, speculation={"num_tokens": k}))
-    from app.logits import LogitRules
+    from app.speculation.logits import LogitRules
     rules = LogitRules.of(params, len(prompt), frozenset())
     from test_logits import processed_with
     p1 = processed_with(rules, target[prompt[-1]], prompt, params)

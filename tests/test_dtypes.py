@@ -8,8 +8,8 @@ import logging
 import pytest
 import torch
 
-from app import dtypes
-from app.runner import load_model
+from app.model import dtypes
+from app.model.runner import load_model
 from tests.conftest import make_model
 
 FALLBACK, NATIVE = 0.01, 3.0  # bf16 matmul speed over float32's: torch's scalar fallback, AMX
@@ -71,11 +71,11 @@ def test_auto_takes_the_checkpoints_dtype_only_where_it_is_native(monkeypatch):
 
 
 def test_asking_for_bf16_without_it_warns_of_the_cost(caplog):
-    with caplog.at_level(logging.WARNING, logger="app.dtypes"):
+    with caplog.at_level(logging.WARNING, logger="app.model.dtypes"):
         assert dtypes.resolve("bfloat16", "cpu", speedup=FALLBACK) == torch.bfloat16  # honoured
     assert "scalar fallback" in caplog.text and "float32 or auto" in caplog.text
     caplog.clear()
-    with caplog.at_level(logging.WARNING, logger="app.dtypes"):
+    with caplog.at_level(logging.WARNING, logger="app.model.dtypes"):
         dtypes.resolve("bfloat16", "cpu", speedup=NATIVE)
     assert caplog.text == ""
 

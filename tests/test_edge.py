@@ -9,7 +9,7 @@ import pytest
 from pydantic import ValidationError
 
 from app.errors import InvalidRequestError
-from app.openai_protocol import MAX_JSON_DEPTH, ChatCompletionRequest, CompletionRequest, load_json, normalise_body
+from app.openai.protocol import MAX_JSON_DEPTH, ChatCompletionRequest, CompletionRequest, load_json, normalise_body
 from app.params import SamplingParams, SpeculationParams, check_vocabulary, parse_sampling
 from deployments.failover import FailoverMiddleware
 
@@ -200,7 +200,7 @@ class Stream:
 
 def sse_of(streams, firsts) -> list[str]:
     """The SSE events the ingress writes for these streams (deployments/streams.py)."""
-    from app.openai_responses import ChoiceView
+    from app.openai.responses import ChoiceView
     from deployments.streams import StreamedChoices, StreamedResponse, sse_events
 
     tokenizer = SimpleNamespace(decode=lambda ids, **_: "")
@@ -234,7 +234,7 @@ def test_a_request_the_target_refuses_mid_stream_is_a_400_event():
 
 def test_each_api_key_gets_its_own_prefix_cache_scope(tokenizer):
     from app.errors import APIError
-    from app.openai_front import FrontSettings, OpenAIFront
+    from app.openai.front import FrontSettings, OpenAIFront
 
     def scope(keys, given):
         front = OpenAIFront(tokenizer, FrontSettings("m", 64, api_keys=tuple(k.encode() for k in keys)))
@@ -260,7 +260,7 @@ def test_tiny_temperatures_and_penalties_cannot_overflow_the_logits():
 def test_logprobs_are_always_json_numbers():
     import torch
 
-    from app.spec import LOGPROB_FLOOR, token_logprobs
+    from app.speculation.steps import LOGPROB_FLOOR, token_logprobs
 
     rows = torch.tensor([[float("nan"), 0.0], [float("-inf"), 0.0]])
     (chosen0, top0), (chosen1, _) = token_logprobs(rows, [0, 0], top=2)

@@ -5,11 +5,11 @@ import asyncio
 import pytest
 import torch
 
-from app.draft_policy import DraftPolicy
+from app.speculation.draft_policy import DraftPolicy
 from app.engine import Engine, EngineSettings
 from app.errors import ContextLengthError, InvalidRequestError, VocabularyMismatchError
 from app.params import SamplingParams
-from app.runner import ModelRunner
+from app.model.runner import ModelRunner
 from conftest import blend, make_model, make_tokenizer
 
 PROMPTS = ["def fib(n):", "hello world, this is a longer prompt than the others", "x", "for i in range(10):\n  "]
@@ -229,12 +229,12 @@ def test_every_forward_of_a_runner_and_its_warm_up_run_on_the_runners_one_thread
     asyncio's default pool would re-record every bucket in each thread. Each runner has one."""
     import threading
 
-    import app.loading
+    import app.model.loading
     from app.engine import Engine
 
     warmed = []
-    real_warm_up = app.loading.warm_up
-    monkeypatch.setattr(app.loading, "warm_up", lambda r: warmed.append((r, threading.get_ident())) or real_warm_up(r))
+    real_warm_up = app.model.loading.warm_up
+    monkeypatch.setattr(app.model.loading, "warm_up", lambda r: warmed.append((r, threading.get_ident())) or real_warm_up(r))
     engine = Engine.from_pretrained(model_dirs["target"], model_dirs["draft"], max_cache_bytes=1 << 24)
     seen = {}
     for r in (engine.target, engine.draft):
@@ -259,7 +259,7 @@ def test_a_runner_no_longer_used_is_freed_though_its_forward_thread_ran(target_m
     import gc
     import weakref
 
-    from app.runner import ModelRunner, SeqInput
+    from app.model.runner import ModelRunner, SeqInput
 
     runner = ModelRunner(target_model, tokenizer)
     runner.on_thread(runner.forward, [SeqInput("a", [5, 6, 7], 1)])

@@ -246,7 +246,7 @@ def test_resume_state_is_checked():
 
 
 def test_a_resumed_view_neither_echoes_again_nor_restarts_its_text_offsets(tokenizer):
-    from app.openai_responses import ChoiceView
+    from app.openai.responses import ChoiceView
 
     ids = tokenizer("def f(x):")["input_ids"]
     whole = ChoiceView(tokenizer, chat=False, logprobs=True, echo="def f(x):", prompt_ids=ids)
@@ -264,7 +264,7 @@ def test_a_resumed_view_neither_echoes_again_nor_restarts_its_text_offsets(token
 def test_an_ingress_answers_resume_state_that_does_not_fit_the_request_with_a_400(tokenizer):
     from app.errors import APIError
     from app.job import GenerationJob
-    from app.openai_front import FrontSettings, OpenAIFront
+    from app.openai.front import FrontSettings, OpenAIFront
     from app.params import SamplingParams
 
     front, jobs = OpenAIFront(tokenizer, FrontSettings("m", 64)), [GenerationJob.new([1, 2], SamplingParams(max_tokens=4))]

@@ -1,4 +1,4 @@
-"""The OpenAI front end (app/openai_front.py) built directly, without Ray or HTTP: a request parsed,
+"""The OpenAI front end (app/openai/front.py) built directly, without Ray or HTTP: a request parsed,
 prepared as jobs, run by an in-process engine and written as OpenAI's response; its refusals in
 OpenAI's terms."""
 
@@ -10,10 +10,10 @@ import pytest
 
 from app.engine import Engine
 from app.errors import APIError
-from app.openai_front import FrontSettings, OpenAIFront
-from app.openai_protocol import ChatCompletionRequest, CompletionRequest
+from app.openai.front import FrontSettings, OpenAIFront
+from app.openai.protocol import ChatCompletionRequest, CompletionRequest
 from app.params import MAX_CHOICES, SamplingParams
-from app.runner import ModelRunner
+from app.model.runner import ModelRunner
 from tests.conftest import make_model
 
 CONTEXT = 96

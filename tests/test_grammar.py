@@ -13,13 +13,13 @@ import torch
 from transformers import LogitsProcessor, LogitsProcessorList
 
 import app.grammar
-import app.spec as spec
+import app.speculation.steps as spec
 from app.engine import Engine, EngineSettings
 from app.errors import InvalidRequestError
 from app.grammar import Grammars, grammar_of
-from app.logits import LogitRules
+from app.speculation.logits import LogitRules
 from app.params import parse_sampling
-from app.runner import ModelRunner
+from app.model.runner import ModelRunner
 from conftest import blend, kv_store, make_byte_tokenizer, make_model, put_ids
 
 SCHEMA = {"type": "object", "properties": {"ok": {"type": "boolean"}, "kind": {"enum": ["ab", "cab", "b"]},
@@ -219,7 +219,7 @@ def test_output_is_unchanged_when_matchers_are_dropped_mid_generation(byte_token
             == [r.token_ids for r in engine(4096).generate(PROMPTS, sampled)])
 
 
-# vLLM's structured outputs (app/structured.py): each kind, as the engine's response_format
+# vLLM's structured outputs (app/openai/structured.py): each kind, as the engine's response_format
 STRUCTURED = {
     "regex": {"type": "regex", "regex": r"(yes|no), [0-9]{2,4}!"},
     "choice": {"type": "choice", "choice": ["ab", "a \"quoted\" word", "b\\c", "abc"]},
@@ -244,7 +244,7 @@ def test_greedy_output_under_vllms_structured_outputs_is_the_constrained_greedy_
 
 
 def test_a_body_takes_one_output_constraint_under_any_of_its_names():
-    from app.openai_protocol import CompletionRequest
+    from app.openai.protocol import CompletionRequest
     from app.params import SpeculationParams
 
     def fmt(**fields):

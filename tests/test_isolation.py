@@ -12,8 +12,8 @@ from ray.exceptions import ActorDiedError, RayTaskError
 from app.errors import ReplicaFault
 from app.scheduler import ForwardQueue, in_thread
 from app.params import SamplingParams
-from app.runner import ModelRunner
-from app.spec import Proposal, VerifyItem, propose, verify, ProposeItem
+from app.model.runner import ModelRunner
+from app.speculation.steps import Proposal, VerifyItem, propose, verify, ProposeItem
 from conftest import blend
 from deployments.tp import RankFailure, group_result
 

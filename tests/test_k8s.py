@@ -333,7 +333,7 @@ def exposure_rules(rs: dict) -> None:
 def memory_rules(rs: dict) -> None:
     """On GPU pools each model's weights (per rank), working buffers and KV cache fit its GPU's
     memory_utilization share, and the KV cache holds one sequence of max_model_len: `specserve plan`'s
-    figures (specserve/plan.py: the models' real configs on the meta device, app/memory.py's formulas)."""
+    figures (specserve/plan.py: the models' real configs on the meta device, app/model/memory.py's formulas)."""
     from specserve.plan import _manifest_gpus, plan_app
 
     serve = yaml.safe_load(rs["spec"]["serveConfigV2"])

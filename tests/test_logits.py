@@ -13,13 +13,13 @@ import torch
 from transformers import (LogitsProcessor, LogitsProcessorList, MinNewTokensLengthLogitsProcessor,
                           RepetitionPenaltyLogitsProcessor, SequenceBiasLogitsProcessor)
 
-import app.spec as spec
+import app.speculation.steps as spec
 from app.engine import Engine, EngineSettings
 from app.errors import InvalidRequestError
-from app.logits import LogitRules
+from app.speculation.logits import LogitRules
 from app.params import SamplingParams, parse_sampling
-from app.runner import ModelRunner
-from app.spec import ProposeItem, VerifyItem
+from app.model.runner import ModelRunner
+from app.speculation.steps import ProposeItem, VerifyItem
 from conftest import blend
 from test_sampling import assert_detectable, assert_law, law_of, processed
 
@@ -103,7 +103,7 @@ def test_min_p_keeps_tokens_at_least_min_p_times_the_top_one():
 
 
 def process_min_p(logits: torch.Tensor, min_p: float) -> torch.Tensor:
-    from app.sampling import process_logits
+    from app.speculation.sampling import process_logits
     return process_logits(logits, torch.ones(1), torch.zeros(1, dtype=torch.long), torch.ones(1),
                           torch.tensor([min_p]))
 
@@ -226,7 +226,7 @@ def first_two(target: torch.Tensor, prompt: list[int], proposals, params, seeds:
 
 def processed_with(rules: LogitRules, logits: torch.Tensor, history: list[int], params: SamplingParams) -> torch.Tensor:
     ruled = rules.apply(logits.unsqueeze(0), history)
-    from app.sampling import process_logits
+    from app.speculation.sampling import process_logits
     return process_logits(ruled, torch.tensor([params.temperature]), torch.tensor([params.top_k]),
                           torch.tensor([params.top_p]), torch.tensor([params.min_p]))[0]
 

@@ -1,5 +1,5 @@
 """A 16k-token prompt through the draft and the target, in process: chunked on both, within the memory
-model's budget (app/memory.py), measured as the process's peak resident memory in a fresh process."""
+model's budget (app/model/memory.py), measured as the process's peak resident memory in a fresh process."""
 
 import json
 import subprocess
@@ -19,11 +19,11 @@ def test_a_16k_prompt_stays_within_the_memory_model(tmp_path):
         sys.path.insert(0, "tests")
         from conftest import make_tokenizer
         from transformers import LlamaConfig, LlamaForCausalLM
-        from app.driver import DraftPolicy
+        from app.speculation.driver import DraftPolicy
         from app.engine import Engine, EngineSettings
-        from app.memory import working_bytes
+        from app.model.memory import working_bytes
         from app.params import SamplingParams
-        from app.runner import ModelRunner
+        from app.model.runner import ModelRunner
 
         torch.manual_seed(0)
         torch.set_num_threads(2)

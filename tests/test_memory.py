@@ -1,16 +1,16 @@
-"""KV budgets from the device's memory (app/memory.py), with the device's memory report injected."""
+"""KV budgets from the device's memory (app/model/memory.py), with the device's memory report injected."""
 
 import pytest
 import torch
 
-from app.memory import (
+from app.model.memory import (
     CPU_DEFAULT_BYTES,
     InsufficientMemoryError,
     kv_budget,
     size_kv_budget,
     working_bytes,
 )
-from app.runner import ModelRunner, SeqInput
+from app.model.runner import ModelRunner, SeqInput
 
 GiB = 2**30
 CUDA = torch.device("cuda", 0)
@@ -86,7 +86,7 @@ def test_real_configs_at_their_full_context_need_gigabytes_of_working_memory_not
 
 
 def test_a_rank_budgets_its_share_of_the_heads_and_of_the_kv():
-    from app.memory import kv_bytes_per_token
+    from app.model.memory import kv_bytes_per_token
 
     cfg = real_config("meta-llama/Llama-3.1-70B-Instruct")
     assert kv_bytes_per_token(cfg, torch.bfloat16, 1) == 2 * 80 * 8 * 128 * 2
@@ -96,7 +96,7 @@ def test_a_rank_budgets_its_share_of_the_heads_and_of_the_kv():
 
 
 def test_a_replica_that_cannot_hold_one_sequence_of_max_model_len_refuses_to_start(target_model, tokenizer):
-    from app.memory import kv_bytes_per_token
+    from app.model.memory import kv_bytes_per_token
 
     runner = ModelRunner(target_model, tokenizer)
     runner.device = CUDA
@@ -119,7 +119,7 @@ def test_in_process_target_and_draft_split_one_budget_made_before_either_pool(ta
     draft's budget went negative. Now both are sized before either pool exists, from one budget."""
     from conftest import make_model
 
-    from app.memory import kv_bytes_per_token, size_shared_kv_budget
+    from app.model.memory import kv_bytes_per_token, size_shared_kv_budget
 
     total, weights = int(79.1 * GiB), 10 * GiB
     before_pools = lambda d: (total - weights, total)  # noqa: E731 - both models loaded, no pool yet
@@ -159,7 +159,7 @@ def test_admission_refuses_a_context_past_the_kv_budget(target_model, tokenizer)
 def _agree(rank: int, world: int, port: int, budgets: list[int], out) -> None:
     import types
 
-    from app.memory import agree_on_budget
+    from app.model.memory import agree_on_budget
 
     torch.distributed.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     try:
@@ -198,7 +198,7 @@ def test_a_gpus_per_sequence_attention_repeats_kv_heads_for_the_fused_kernel_and
     attention as the plain GQA call."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    from app.ragged import sdpa
+    from app.model.ragged import sdpa
 
     g = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(1, h, n, 16, generator=g) for h, n in ((8, 5), (2, 20), (2, 20)))

@@ -8,10 +8,10 @@ from pydantic import ValidationError
 
 from app.engine import Engine
 from app.errors import InvalidRequestError
-from app.openai_protocol import ChatCompletionRequest, CompletionRequest, choice_seed, normalise_body
-from app.openai_responses import ChoiceView, combined_speculation, join_logprobs
+from app.openai.protocol import ChatCompletionRequest, CompletionRequest, choice_seed, normalise_body
+from app.openai.responses import ChoiceView, combined_speculation, join_logprobs
 from app.params import SpeculationParams, parse_sampling
-from app.runner import ModelRunner
+from app.model.runner import ModelRunner
 from tests.conftest import blend
 
 

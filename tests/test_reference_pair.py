@@ -36,8 +36,8 @@ def test_the_target_in_bf16_keeps_its_compiled_steps(pair):
     """The warm-up's check probes ordinary text: on ids 3-10 (special tokens) this model's bf16
     activations blow up (eager and compiled 47 apart where on text they agree within 0.7), and its
     bf16 steps never compiled on a CPU."""
-    from app.loading import load_model
-    from app.runner import ModelRunner
+    from app.model.loading import load_model
+    from app.model.runner import ModelRunner
 
     model, tok = load_model(pair[0], dtype="bfloat16", device="cpu")
     runner = ModelRunner(model, tok, pack=True, compile="default", compile_max_tokens=8)

@@ -3,9 +3,9 @@
 import pytest
 import torch
 
-from app.kv import OutOfBlocks
+from app.model.kv import OutOfBlocks
 from conftest import kv_store, put_ids
-from app.runner import ModelRunner, SeqInput
+from app.model.runner import ModelRunner, SeqInput
 
 ATOL = 1e-4
 
@@ -164,7 +164,7 @@ def test_prefix_donor_in_the_same_batch_and_short_matches(target_runner, target_
 
 
 def test_prefix_index_is_confirmed_on_tokens():
-    from app.kv import PREFIX_BLOCK
+    from app.model.kv import PREFIX_BLOCK
 
     store = kv_store(64)
     ids = list(range(2 * PREFIX_BLOCK + 3))

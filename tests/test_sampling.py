@@ -6,7 +6,7 @@ import pytest
 import torch
 from scipy import stats
 
-from app.sampling import ACCEPT, DRAFT, EMIT, process_logits, rejection_sample, sample, uniform
+from app.speculation.sampling import ACCEPT, DRAFT, EMIT, process_logits, rejection_sample, sample, uniform
 
 ALPHA = 1e-3  # chi-square / KS p-values below this fail; every seed is fixed, so nothing is flaky
 
@@ -520,7 +520,7 @@ def test_a_shifted_proposal_keeps_the_joint_target_law():
     """A round that ran as a plain step while the draft proposed from before it (the draft's first token
     drawn at the same position): when the step's token equals the draft's first, the draft's second
     token is verified next round; otherwise next round is a plain step. The first two tokens must
-    follow p(x1) p(x2 | x1) exactly (app/driver.py, Proposal.after)."""
+    follow p(x1) p(x2 | x1) exactly (app/speculation/driver.py, Proposal.after)."""
     v, n = 8, 50_000
     gen = torch.Generator().manual_seed(31)
     cond_logits = torch.randn(v, v, generator=gen) + 3 * torch.eye(v).roll(1, 1)

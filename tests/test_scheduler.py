@@ -7,14 +7,14 @@ import collections
 import pytest
 import torch
 
-from app.controller import CostEstimator
-from app.gate import GoodputGate
-from app.driver import DraftPolicy, DraftUnavailable
+from app.speculation.controller import CostEstimator
+from app.speculation.gate import GoodputGate
+from app.speculation.driver import DraftPolicy, DraftUnavailable
 from app.engine import Engine, EngineSettings
 from app.scheduler import ForwardQueue
 from app.params import SamplingParams
 from app.job import GenerationJob
-from app.runner import ModelRunner, SeqInput
+from app.model.runner import ModelRunner, SeqInput
 from conftest import blend
 
 PROMPTS = [list(range(3, 40)), [5, 6, 7], list(range(10, 90)), [42] * 12]
@@ -163,7 +163,7 @@ def test_branches_hide_the_draft_after_rejections_and_change_no_token(target_mod
     runner-ups at positions 0 and 1): the round that ends in one finds its proposal drafted. Tokens
     are the same with and without; more rounds find their proposal ready; every branch's draft cache
     is freed with the request."""
-    from app.spec import BRANCH_SLOTS
+    from app.speculation.steps import BRANCH_SLOTS
 
     draft = ModelRunner(blend(target_model, 7, 0.8), tokenizer)  # disagrees often: rounds end in rejections
 
@@ -186,8 +186,8 @@ def test_branches_hide_the_draft_after_rejections_and_change_no_token(target_mod
 def test_a_proposal_in_hand_keeps_what_drafting_ahead_needs():
     """A proposal drafted ahead, when used, still carries its guess and runner-ups, so the round that
     uses it drafts ahead (and branches) in turn."""
-    from app.ahead import Ahead, hidden
-    from app.spec import Proposal
+    from app.speculation.ahead import Ahead, hidden
+    from app.speculation.steps import Proposal
 
     drafted = Proposal([1, 2], torch.zeros(2, 1, dtype=torch.long), torch.ones(2, 1), {"steps": 3}, guess=3,
                        runner_ups=[[4, 6], [5, 7]])
@@ -196,7 +196,7 @@ def test_a_proposal_in_hand_keeps_what_drafting_ahead_needs():
 
 
 def test_a_greedy_proposal_gives_the_drafts_runner_ups_where_asked(draft_model, tokenizer):
-    from app.spec import RUNNER_UP_POSITIONS, ProposeItem, propose
+    from app.speculation.steps import RUNNER_UP_POSITIONS, ProposeItem, propose
 
     runner = ModelRunner(draft_model, tokenizer)
     context = list(range(3, 20))

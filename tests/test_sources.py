@@ -1,4 +1,4 @@
-"""Models from where operators keep them (app/sources.py), against an S3-compatible server on
+"""Models from where operators keep them (app/model/sources.py), against an S3-compatible server on
 loopback: fetched whole, weights apart, once however many replicas of a node ask at once, again
 only where the bucket changed; and the refusals of sources that cannot be."""
 
@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 from transformers import AutoConfig, AutoTokenizer
 
-from app.sources import MARKER, Entry, GCSStore, S3Store, local_model
+from app.model.sources import MARKER, Entry, GCSStore, S3Store, local_model
 from serving import S3Server, save_tiny_pair
 
 
@@ -139,10 +139,10 @@ def test_gcs_reads_through_its_sdks_calls():
 
 
 def test_a_fetch_says_what_it_does_in_the_replicas_log(s3, tmp_path):
-    """The fetch's progress lines go where the replica's logger writes (app/sources.py log_into)."""
+    """The fetch's progress lines go where the replica's logger writes (app/model/sources.py log_into)."""
     import logging
 
-    from app.sources import log_into
+    from app.model.sources import log_into
 
     lines = []
 

@@ -1,13 +1,13 @@
-"""Host syncs per round, counted on CPU (app/syncs.py): a verify round reads the device once (its
+"""Host syncs per round, counted on CPU (app/model/syncs.py): a verify round reads the device once (its
 verdicts' token ids), a proposal once per draft call (its tokens), never once per sequence or step."""
 
 import pytest
 import torch
 
 from app.params import SamplingParams
-from app.runner import ModelRunner
-from app.spec import Proposal, ProposeItem, VerifyItem, propose, verify
-from app.syncs import SyncCounter
+from app.model.runner import ModelRunner
+from app.speculation.steps import Proposal, ProposeItem, VerifyItem, propose, verify
+from app.model.syncs import SyncCounter
 from conftest import blend
 
 PROMPTS = [list(range(3, 40)), [5, 6, 7], list(range(10, 90)), [42] * 12]
@@ -88,7 +88,7 @@ def test_a_forward_over_borrowed_prefixes_uploads_once_on_the_gpu_paths(attentio
     """The GPU's attention paths: tables in two runs (a prefix borrowed by reference, then their own
     blocks) are gathered, and their indices travel in the forward's one copy; before, each such
     span made a copy of its own (a stream sync per fragmented sequence per forward)."""
-    from app.runner import SeqInput
+    from app.model.runner import SeqInput
 
     runner = ModelRunner(target_model, tokenizer, attention=attention)
     runner.compact_tables = False  # as on a GPU: tables stay in their runs (the CPU moves them into one)

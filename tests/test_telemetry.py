@@ -12,11 +12,11 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from opentelemetry.trace import StatusCode
 
 from app import telemetry
-from app.controller import CostEstimator, KController, KControllerConfig
-from app.driver import DraftUnavailable, RoundContext, run_rounds
+from app.speculation.controller import CostEstimator, KController, KControllerConfig
+from app.speculation.driver import DraftUnavailable, RoundContext, run_rounds
 from app.params import SamplingParams
 from app.request import RequestState
-from app.spec import Proposal, ProposeItem, Verdict, VerifyItem
+from app.speculation.steps import Proposal, ProposeItem, Verdict, VerifyItem
 
 TOKEN = 5
 

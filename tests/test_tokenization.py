@@ -1,4 +1,4 @@
-"""/tokenize and /detokenize (app/tokenization.py) in vLLM's shapes, without a cluster: the ids are
+"""/tokenize and /detokenize (app/openai/tokenization.py) in vLLM's shapes, without a cluster: the ids are
 those generation starts from, for a prompt as completions take it and a chat as chat completions do."""
 
 import copy
@@ -7,8 +7,8 @@ import pytest
 from pydantic import ValidationError
 
 from app.errors import InvalidRequestError
-from app.chat_template import ChatMessage, chat_prompt_ids
-from app.tokenization import (DetokenizeRequest, TokenizeChatRequest, TokenizeCompletionRequest, detokenize,
+from app.openai.chat_template import ChatMessage, chat_prompt_ids
+from app.openai.tokenization import (DetokenizeRequest, TokenizeChatRequest, TokenizeCompletionRequest, detokenize,
                               tokenize)
 
 TEMPLATE = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
@@ -44,7 +44,7 @@ def test_a_chat_tokenizes_as_a_chat_completion_renders_it(chat_tokenizer):
 
 def test_a_chat_with_tools_counts_the_tools_the_template_renders(chat_tokenizer):
     """As a chat completion offering them renders them: a client budgets its context with this count."""
-    from app.openai_protocol import ChatCompletionRequest
+    from app.openai.protocol import ChatCompletionRequest
 
     chat_tokenizer.chat_template = "{% for t in tools or [] %}tool {{ t.function.name }}\n{% endfor %}" + TEMPLATE
     tools = [{"type": "function", "function": {"name": "get_time", "parameters": {"type": "object"}}}]
@@ -71,7 +71,7 @@ THINKING = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endf
 
 def test_chat_template_kwargs_reach_the_template(chat_tokenizer):
     """As Qwen3's template reads enable_thinking: the variable the request passes is the template's."""
-    from app.openai_protocol import ChatCompletionRequest
+    from app.openai.protocol import ChatCompletionRequest
 
     chat_tokenizer.chat_template = THINKING
     chat = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
@@ -87,7 +87,7 @@ def test_chat_template_kwargs_reach_the_template(chat_tokenizer):
 
 
 def test_a_request_template_and_continue_final_message(chat_tokenizer):
-    from app.openai_protocol import ChatCompletionRequest
+    from app.openai.protocol import ChatCompletionRequest
 
     messages = [{"role": "user", "content": "count"}, {"role": "assistant", "content": "one, two,"}]
     body = ChatCompletionRequest.model_validate({"model": "m", "messages": messages, "add_generation_prompt": False,
@@ -108,7 +108,7 @@ def test_a_request_template_and_continue_final_message(chat_tokenizer):
     ({"chat_template_kwargs": []}, "dictionary"),
 ])
 def test_template_controls_out_of_bounds_are_refused(body, why):
-    from app.openai_protocol import ChatCompletionRequest
+    from app.openai.protocol import ChatCompletionRequest
 
     with pytest.raises(ValidationError, match=why):
         ChatCompletionRequest.model_validate({"model": "m", "messages": [{"role": "user", "content": "hi"}], **body})

@@ -1,12 +1,12 @@
 """A streamed choice with tools that fails over to another ingress replica: the client's stream
-goes on as if it had not (deployments/streams.py and app/tool_calls.py's ToolStream, against the state
+goes on as if it had not (deployments/streams.py and app/openai/tool_calls.py's ToolStream, against the state
 the proxy's failover keeps, deployments/failover.py)."""
 
 import json
 
 import pytest
 
-from app.tool_calls import PARSERS
+from app.openai.tool_calls import PARSERS
 from conftest import make_byte_tokenizer
 from test_tools import WRITTEN, assemble
 
@@ -51,7 +51,7 @@ def tool_stream_events(tok, parser, ids: list[int], start) -> list[str]:
     resumed from `start` as the ingress resumes it (the text its client had, rebuilt)."""
     import asyncio
 
-    from app.openai_responses import ChoiceView
+    from app.openai.responses import ChoiceView
     from app.params import SamplingParams
     from app.request import streamed_text
     from deployments.streams import StreamedChoices, StreamedResponse, sse_events

@@ -1,4 +1,4 @@
-"""Tool calling (app/tool_calls.py): each family's format parsed into OpenAI's tool_calls, streamed
+"""Tool calling (app/openai/tool_calls.py): each family's format parsed into OpenAI's tool_calls, streamed
 without showing a call as text, and forced by a grammar when a call is required; the forced output
 is exact under speculation and its calls are valid against their schemas."""
 
@@ -11,8 +11,8 @@ from app.engine import Engine, EngineSettings
 from app.errors import InvalidRequestError
 from app.grammar import grammar_of
 from app.params import parse_sampling
-from app.runner import ModelRunner
-from app.tool_calls import PARSERS, NamedToolChoice, Tool, ToolStream, enforced_tools, special_markers
+from app.model.runner import ModelRunner
+from app.openai.tool_calls import PARSERS, NamedToolChoice, Tool, ToolStream, enforced_tools, special_markers
 from conftest import blend, make_byte_tokenizer, make_model
 from test_grammar import constrained_reference
 
@@ -149,7 +149,7 @@ def test_a_draft_that_ignores_the_call_grammar_lowers_acceptance_but_never_chang
     """The target as its own draft: with the grammar on both sides every proposal passes. Planted bug:
     a draft that ignores the grammar proposes what the call format refuses; the target's mask rejects
     it, so the output stays the forced call, token for token, and only acceptance drops."""
-    import app.spec as spec
+    import app.speculation.steps as spec
 
     tok, target, _ = byte_pair
     engine = Engine(ModelRunner(target, tok), ModelRunner(target, tok), EngineSettings(draft_top_n=0))
@@ -219,8 +219,8 @@ TEMPLATES = {
 def test_each_familys_template_renders_the_tools_the_calls_and_the_results(shape):
     import copy
 
-    from app.chat_template import chat_prompt_ids
-    from app.openai_protocol import ChatCompletionRequest
+    from app.openai.chat_template import chat_prompt_ids
+    from app.openai.protocol import ChatCompletionRequest
 
     tok = copy.deepcopy(make_byte_tokenizer())
     tok.chat_template = TEMPLATES[shape]
@@ -311,8 +311,8 @@ def test_kept_specials_change_nothing_else_in_the_text(marker_pair):
 @pytest.mark.parametrize("choice", ["auto", "required"])
 def test_a_request_offering_tools_keeps_its_formats_special_markers_in_its_text(choice, marker_pair):
     """With `auto` too: the model may write a call, which its parser must see."""
-    from app.openai_front import FrontSettings, OpenAIFront
-    from app.openai_protocol import ChatCompletionRequest
+    from app.openai.front import FrontSettings, OpenAIFront
+    from app.openai.protocol import ChatCompletionRequest
     from app.params import SamplingParams
 
     tok, tc = marker_pair[0], marker_pair[0].convert_tokens_to_ids("[TOOL_CALLS]")
@@ -337,7 +337,7 @@ def test_a_request_offering_tools_keeps_its_formats_special_markers_in_its_text(
 def test_messages_with_calls_and_results_are_checked_as_openai_checks_them():
     from pydantic import ValidationError
 
-    from app.openai_protocol import ChatCompletionRequest
+    from app.openai.protocol import ChatCompletionRequest
 
     call = {"id": "call_1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
     ask = {"role": "user", "content": "hi"}

@@ -1,4 +1,4 @@
-"""The varlen attention path (app/ragged.py): a batch's sequences in one kernel call per layer, in
+"""The varlen attention path (app/model/ragged.py): a batch's sequences in one kernel call per layer, in
 groups bounded by the positions they gather, each sequence's logits a fresh forward's; the CUDA
 kernel asked for causal attention aligned to the bottom right, one KV split and grouped heads."""
 
@@ -8,8 +8,8 @@ import math
 import pytest
 import torch
 
-from app import varlen
-from app.runner import ModelRunner, SeqInput
+from app.model import varlen
+from app.model.runner import ModelRunner, SeqInput
 from test_runner import ATOL, fresh_logits, random_ids
 
 
@@ -99,7 +99,7 @@ def test_the_cuda_kernel_is_asked_for_bottom_right_causal_attention_one_split_an
 def test_compiled_steps_over_varlen_attention_give_the_eager_tokens_and_never_recompile(mode, target_model, tokenizer):
     """The GPU's shape: symbolic token counts, attention one varlen call per layer (its op opaque to
     the graph), mixed batches once warm with recompiles an error."""
-    from app.compiled import CompiledSteps
+    from app.model.compiled import CompiledSteps
     from app.engine import Engine
     from test_engine import PROMPTS, greedy, reference
 

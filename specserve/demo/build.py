@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-from app import dtypes
+from app.model import dtypes
 from specserve.demo import corpus, train
 from specserve.demo.cache import build_atomically, cache_root
 from specserve.demo.progress import BuildProgress, Costs
@@ -69,7 +69,7 @@ def build_pair(out: Path, quick: bool = False, seed: int = 0, progress: bool = T
     """Build tokenizer, target and draft into out/target and out/draft (deterministic in seed).
 
     One recipe on every machine; the arithmetic is bf16 autocast where the CPU does bf16 natively,
-    float32 elsewhere (`app.dtypes`), so weights agree across machines to rounding, not bit for bit.
+    float32 elsewhere (`app.model.dtypes`), so weights agree across machines to rounding, not bit for bit.
     """
     name = "quick" if quick else "full"
     plan, bf16 = plan or train.PLANS[name], dtypes.native_bf16("cpu")  # a given plan: a recipe trial

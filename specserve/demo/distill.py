@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedModel
 
-from app.draft_vocab import RANKING
+from app.speculation.draft_vocab import RANKING
 from specserve.demo.teacher_text import TextPlan, load_shard
 from specserve.demo.train import _Optimizer, autocast
 
@@ -207,7 +207,7 @@ def build_draft(target_dir: Path, out: Path, work: Path, recipe: DraftRecipe = R
     from tqdm.auto import tqdm
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from app import dtypes
+    from app.model import dtypes
     from specserve.demo.teacher_text import generate_shards
 
     bf16 = dtypes.native_bf16(device)

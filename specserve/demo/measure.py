@@ -15,8 +15,8 @@ import torch
 from transformers import PreTrainedModel
 
 from specserve.demo.corpus import load_heldout_prompts
-from app.hf_compat import returned_cache, with_cache
-from app.runner import eos_ids, load_model
+from app.model.hf_compat import returned_cache, with_cache
+from app.model.runner import eos_ids, load_model
 
 
 def distinct_ngrams(tokens: list[int], n: int = 4) -> float:

@@ -3,7 +3,7 @@ distilled from the target's logits so that their greedy choices agree as often a
 
 Both models are plain `LlamaForCausalLM`s. Training runs in bfloat16 autocast with fp32 master
 weights where the CPU does bf16 matmuls natively (AVX512-BF16/AMX, ARM BF16), in float32 elsewhere
-(`app.dtypes`): the recipe is the same, the rounding differs. The target learns with AdamW. The draft's hidden weight matrices learn with Muon
+(`app.model.dtypes`): the recipe is the same, the rounding differs. The target learns with AdamW. The draft's hidden weight matrices learn with Muon
 (orthogonalised momentum), its embeddings and norms with AdamW: in one-off trials, 250 such
 steps on the target's greedy text gave held-out τ 3.58 at K = 4, AdamW alone 3.36. (Muon also
 took the target to a lower held-out loss in a third of the steps, 5.57 against 5.70, but that
@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
-from app.hf_compat import returned_cache, with_cache
+from app.model.hf_compat import returned_cache, with_cache
 from specserve.demo.muon import Muon
 
 BOS, EOS = "<s>", "</s>"

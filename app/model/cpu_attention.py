@@ -5,25 +5,25 @@ cached keys. torch's CPU attention (SDPA's flash kernel) is built for many rows:
 costs about 9 us before it reads a key and then runs below the memory's speed (one row over 400
 keys, 4 heads x 64: 58 us, where reading those keys takes about 20). FlexAttention, nested tensors
 and a compiled gather measured slower still (docs/architecture.md, "CPU attention"). So a short
-span's attention is a small C++ kernel (app/kernels/paged_attention.cpp): every short span of the
+span's attention is a small C++ kernel (app/model/kernels/paged_attention.cpp): every short span of the
 layer in one call, each row's keys and values read through its block table where they lie.
 
-The kernel is compiled once per machine for its own instruction set (app/native.py). No compiler
+The kernel is compiled once per machine for its own instruction set (app/model/native.py). No compiler
 (the same need as compiled steps), a build that fails, or a pool that is not float32: None, and
 attention stays torch's, one call per sequence.
 
 Math flags: -ffast-math vectorises the exponentials and the sums (glibc's vector expf); it is
-given to the compile step alone (app/native.py says why).
+given to the compile step alone (app/model/native.py says why).
 """
 
 import ctypes
 
 import torch
 
-from app import native
-from app.kv import BLOCK_SIZE
+from app.model import native
+from app.model.kv import BLOCK_SIZE
 
-SOURCE = "paged_attention.cpp"  # in app/kernels/, built by app/native.py
+SOURCE = "paged_attention.cpp"  # in app/model/kernels/, built by app/model/native.py
 MAX_ROWS = 8  # spans up to this many new rows take the kernel; longer ones (prompts) torch's SDPA
 _FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp-simd", "-fPIC", "-std=c++17"]
 
@@ -49,7 +49,7 @@ class Spans:
     """A forward's short spans in the kernel's terms, built once per forward and read by every layer:
     their rows, positions and block tables as int64 tensors."""
 
-    def __init__(self, spans: list):  # app.ragged.Span
+    def __init__(self, spans: list):  # app.model.ragged.Span
         meta, tables = [], []
         for s in spans:
             meta += [s.offset, s.length, s.start, len(tables)]

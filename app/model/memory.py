@@ -19,7 +19,7 @@ class InsufficientMemoryError(RuntimeError):
     """The device cannot hold the weights, the working buffers and any KV cache at this utilization."""
 
 
-# the most context positions one group of the varlen attention path gathers (app/ragged.py); a longer
+# the most context positions one group of the varlen attention path gathers (app/model/ragged.py); a longer
 # sequence is a group alone
 VARLEN_GATHER_TOKENS = 1 << 16
 
@@ -49,13 +49,13 @@ def working_bytes(config, dtype: torch.dtype, tokens: int, vocab: int, *, contex
       for sampled verification (padded, processed, sorted);
     - activations per position: the residual stream, the rank's attention projections and the MLP's
       two wide ones, with room for the allocator;
-    - attention's scratch, by path (app/ragged.py, app/batches.py). "flex" and "cpu_paged" read the
+    - attention's scratch, by path (app/model/ragged.py, app/model/batches.py). "flex" and "cpu_paged" read the
       pool in place and materialise no [heads, tokens, context] scores: their output only.
       "per_sequence" (and "cpu_paged" for prompts) gathers one sequence's keys and values when its
       blocks are not one run, and builds its causal mask [tokens, context]. On a GPU SDPA's fused
-      kernels take the mask without scores (app/ragged.py never lets it fall back to the math
+      kernels take the mask without scores (app/model/ragged.py never lets it fall back to the math
       kernel there); on a CPU a masked SDPA is the math kernel: float32 scores and their softmax.
-      "varlen" gathers a group's contexts (app/ragged.py: up to VARLEN_GATHER_TOKENS positions, or one
+      "varlen" gathers a group's contexts (app/model/ragged.py: up to VARLEN_GATHER_TOKENS positions, or one
       sequence's) and its FlashAttention kernel holds no scores.
       "padded" (models with sliding windows or soft-capping) holds every layer's padded slab
       [batch, kv heads, context + width, D] for the forward, and eager attention's float32 scores

@@ -1,5 +1,5 @@
 """Proposals drafted ahead: asked for a context a sequence may reach next round, while this round
-verifies (app/driver.py, Rounds). Which one a round uses changes only when its proposal is in hand,
+verifies (app/speculation/driver.py, Rounds). Which one a round uses changes only when its proposal is in hand,
 never a token."""
 
 import asyncio
@@ -7,7 +7,7 @@ import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
-from app.spec import Proposal
+from app.speculation.steps import Proposal
 
 
 @dataclass
@@ -43,7 +43,7 @@ def _consume(task: asyncio.Task) -> None:
 class DraftsAhead:
     """One sequence's proposals drafted ahead: the one for the round's likely outcome (all accepted,
     bonus = the draft's guess; or the prompt's, asked beside its prefill) and the branches for its
-    likeliest rejections. Rounds (app/driver.py) decides what to ask for; this holds what was asked,
+    likeliest rejections. Rounds (app/speculation/driver.py) decides what to ask for; this holds what was asked,
     finds what fits a round's context, and drops the rest."""
 
     def __init__(self, draft: Callable[[list[int], int, str | None], Awaitable[Proposal]]):

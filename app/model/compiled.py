@@ -1,9 +1,9 @@
 """Compiled steps: a model's forward as torch.compile graphs over a few static token counts.
 
-A ragged forward (app/ragged.py) of T tokens runs the graph of the smallest bucket >= T, its row
+A ragged forward (app/model/ragged.py) of T tokens runs the graph of the smallest bucket >= T, its row
 padded with token 0 at position 0: the padded rows never change a result, since attention (one
 opaque op per layer) writes and reads only the layout's own tokens and the logits are taken at the
-kept rows. On a CPU they cost little either: the packed linears (app/cpu_linear.py) compute the
+kept rows. On a CPU they cost little either: the packed linears (app/model/cpu_linear.py) compute the
 real rows alone and leave the padding zero. Buckets are powers of two up to `max_tokens`, every one
 compiled at warm-up, so no request ever waits for a compile; a larger forward (a long prompt's
 chunk) runs eagerly, where the per-op cost the compiler removes is small against its size.
@@ -29,9 +29,9 @@ import shutil
 
 import torch
 
-from app.cpu_linear import real_rows
-from app.draft_vocab import FLOOR
-from app.ragged import LAYOUT
+from app.model.cpu_linear import real_rows
+from app.speculation.draft_vocab import FLOOR
+from app.model.ragged import LAYOUT
 
 log = logging.getLogger(__name__)
 
@@ -72,7 +72,7 @@ def agrees(eager: torch.Tensor, compiled: torch.Tensor, dtype: torch.dtype) -> t
     op, a head that scales) is off by far more."""
     tol = 1e-3 if dtype == torch.float32 else 5e-2
     eager, compiled = eager.float(), compiled.float()
-    computed = eager > FLOOR  # a draft's restricted head leaves the other tokens at FLOOR (app/draft_vocab.py)
+    computed = eager > FLOOR  # a draft's restricted head leaves the other tokens at FLOOR (app/speculation/draft_vocab.py)
     bound = tol * eager[computed].abs().max().clamp_min(1.0)
     diff = (eager - compiled).abs().max()
     picked = eager.gather(-1, compiled.argmax(-1, keepdim=True)).squeeze(-1)
@@ -122,6 +122,6 @@ class CompiledSteps:
         if pad:
             input_ids = torch.nn.functional.pad(input_ids, (0, pad))
             position_ids = torch.nn.functional.pad(position_ids, (0, pad))
-        with real_rows(input_ids.shape[1] - pad):  # the linears skip the padding (app/cpu_linear.py)
+        with real_rows(input_ids.shape[1] - pad):  # the linears skip the padding (app/model/cpu_linear.py)
             hidden = self.graph(input_ids, position_ids)
         return self.head(hidden[0].index_select(0, keep))

@@ -1,4 +1,4 @@
-"""The project's C++ kernels (app/kernels/): compiled here, once per machine, for its own CPU.
+"""The project's C++ kernels (app/model/kernels/): compiled here, once per machine, for its own CPU.
 
 A kernel is built with `-march=native`, so the compiler uses the instruction set this CPU has
 (AVX-512, AVX2 or plain SSE) and nothing it lacks: the binary is cached under a key of the source,
@@ -43,7 +43,7 @@ def cache_dir() -> Path:
 
 
 def build(source: str, flags: list[str]) -> Path | None:
-    """The shared library of app/kernels/`source`, compiled if this machine has none yet; None when
+    """The shared library of app/model/kernels/`source`, compiled if this machine has none yet; None when
     it cannot be (said in the log)."""
     cxx = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
     if not cxx:
@@ -74,7 +74,7 @@ def build(source: str, flags: list[str]) -> Path | None:
 
 
 def load(source: str, flags: list[str]) -> ctypes.CDLL | None:
-    """The loaded library of app/kernels/`source` (built once a process), or None where it cannot be."""
+    """The loaded library of app/model/kernels/`source` (built once a process), or None where it cannot be."""
     with _lock:
         if source not in _loaded:
             lib = build(source, flags)

@@ -1,4 +1,4 @@
-"""The varlen attention path's plan and kernel (app/ragged.py's "varlen"): a forward's sequences in
+"""The varlen attention path's plan and kernel (app/model/ragged.py's "varlen"): a forward's sequences in
 groups, each group's contexts gathered end to end from the pool and attended to in one call of
 torch's variable-length FlashAttention per layer; on a CPU, where that kernel does not exist, a
 reference of its contract."""
@@ -7,8 +7,8 @@ import functools
 
 import torch
 
-from app.memory import VARLEN_GATHER_TOKENS
-from app.syncs import upload
+from app.model.memory import VARLEN_GATHER_TOKENS
+from app.model.syncs import upload
 
 
 class VarlenGroups:
@@ -17,7 +17,7 @@ class VarlenGroups:
     end, and the kernel's cumulative lengths. Planned on the host from the block tables; its indices
     travel in the forward's one upload (`parts`, then `take`)."""
 
-    def __init__(self, spans: list):  # app.ragged.Span: entry, start, length, offset
+    def __init__(self, spans: list):  # app.model.ragged.Span: entry, start, length, offset
         # (first span, end span, max queries, max keys, the group's context positions)
         self.groups: list[tuple[int, int, int, int, int]] = []
         self.slots: list[int] = []  # every group's context slots, end to end

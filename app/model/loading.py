@@ -1,14 +1,14 @@
 """The one way a model is loaded: in process (`Engine.from_config`), in a draft or target replica
 (deployments/servers.py) and in a tensor-parallel rank worker (deployments/tp.py) alike. The
 weights in the configured dtype on the configured device, a runner over them, its KV budget sized
-from that device's memory for the forwards it will run (app/memory.py), its compiled steps built."""
+from that device's memory for the forwards it will run (app/model/memory.py), its compiled steps built."""
 
 import torch
 
-from app import draft_vocab
+from app.speculation import draft_vocab
 from app.config import DraftSettings, ModelSettings
-from app.memory import size_kv_budget, size_shared_kv_budget
-from app.runner import ModelRunner, SeqInput, load_model
+from app.model.memory import size_kv_budget, size_shared_kv_budget
+from app.model.runner import ModelRunner, SeqInput, load_model
 
 
 def set_torch_threads(settings: ModelSettings) -> None:
@@ -42,7 +42,7 @@ def load_pair(target: str, target_settings: ModelSettings, draft: str | None, dr
               forward_tokens: int) -> tuple[ModelRunner, ModelRunner | None]:
     """Target and draft in one process (`specserve generate`, `bench`, Engine.from_pretrained). Both
     are loaded before either KV pool is made (a pool is made at the first forward, at its whole
-    budget): on a shared GPU one budget is then split so both hold the same tokens (app/memory.py)."""
+    budget): on a shared GPU one budget is then split so both hold the same tokens (app/model/memory.py)."""
     t = _runner(target, target_settings, 1)
     d = _runner(draft, draft_settings, 1) if draft else None
     if d is None:

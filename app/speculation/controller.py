@@ -28,10 +28,10 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from app.gate import GoodputGate
+from app.speculation.gate import GoodputGate
 
 # what verifying K more tokens per sequence costs, in target steps: a slope v (K·v) or, measured,
-# one figure per K (index K; app.controller.VerifyCurve.extra)
+# one figure per K (index K; app.speculation.controller.VerifyCurve.extra)
 VerifyCost = float | Sequence[float]
 
 

@@ -32,7 +32,7 @@ from collections.abc import Callable
 import torch
 
 # positions per block; also the prefix index's unit: a shared prefix is found to the block, then exactly
-from app.blocks import (BLOCK_SIZE, PREFIX_BLOCK, BlockPool, OutOfBlocks, SequenceCache, block_keys, blocks_for,
+from app.model.blocks import (BLOCK_SIZE, PREFIX_BLOCK, BlockPool, OutOfBlocks, SequenceCache, block_keys, blocks_for,
                         common_prefix, grown_capacity)
 
 __all__ = ["BLOCK_SIZE", "PREFIX_BLOCK", "BlockPool", "KVStore", "OutOfBlocks", "SequenceCache", "block_keys",

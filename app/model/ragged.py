@@ -2,7 +2,7 @@
 
 A batch of verify rows (K+1 tokens each), draft steps (1 each) and prompts (hundreds) runs as one
 forward over T = the sum of their new tokens: the linears, norms and MLPs see no padding, and
-attention reads each sequence's keys and values from the blocks that hold its KV cache (app/kv.py),
+attention reads each sequence's keys and values from the blocks that hold its KV cache (app/model/kv.py),
 in place where they are one run of the pool. Nothing is gathered into a padded batch and nothing is
 copied back: a forward writes every sequence's new positions straight into their blocks, one indexed
 copy per layer, and a rollback is a length change.
@@ -13,7 +13,7 @@ layout is carried by a registered attention function over our block pool. The mo
 forward is Hugging Face's, unchanged.
 
 Attention, the write of new keys and values included, is one custom torch op per layer
-(`specserve::ragged_attention`): a compiled step (app/compiled.py) traces the model around it
+(`specserve::ragged_attention`): a compiled step (app/model/compiled.py) traces the model around it
 as an opaque call, so the graph has no break and no shape that depends on the batch's
 composition. The op reads the forward's Layout from the thread that runs it (`active()`): a
 compiled graph's inputs are tensors, not Python objects. It is tagged unsafe for CUDA graphs, so a
@@ -24,7 +24,7 @@ Inside the op, attention takes one of three paths (`ModelRunner(attention=...)`)
   built once per forward from the block tables: no per-sequence calls, no dense mask, no gather.
 - "cpu_paged" (auto on a CPU that can build it): the short spans (decode steps, verify rows) in one
   call per layer of a small C++ kernel reading each row's keys through its block table
-  (app/cpu_attention.py); longer spans (prompts) one SDPA call each over their blocks in place.
+  (app/model/cpu_attention.py); longer spans (prompts) one SDPA call each over their blocks in place.
 - "per_sequence": one SDPA call per sequence over its blocks in place.
 - "varlen" (opt-in on CUDA until a GPU run proves it): torch's variable-length FlashAttention
   (`torch.nn.attention.varlen`), one call per layer for a group of sequences whose contexts are
@@ -32,7 +32,7 @@ Inside the op, attention takes one of three paths (`ModelRunner(attention=...)`)
   bounded whatever the batch): a batch of 32 decode steps takes a few kernels a layer where
   per_sequence takes 32 SDPA calls and their masks (on the second GPU run a 32-request batch over
   per_sequence had not finished in a minute; the cause is not yet isolated). The kernel's paged form (a block table into the pool)
-  needs pages of 128-256 positions (BLOCK_SIZE is 16), hence the gather (app/varlen.py). On a CPU,
+  needs pages of 128-256 positions (BLOCK_SIZE is 16), hence the gather (app/model/varlen.py). On a CPU,
   where the kernel does not run, a reference of its contract (`varlen_reference`) stands in, so the
   tests check the packing.
 All run on a CPU, and the tests check each (specserve/kv_bench.py measures them).
@@ -47,10 +47,10 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
 
-from app import cpu_attention
-from app.kv import BLOCK_SIZE, BlockPool, SequenceCache
-from app.syncs import upload
-from app.varlen import VarlenGroups
+from app.model import cpu_attention
+from app.model.kv import BLOCK_SIZE, BlockPool, SequenceCache
+from app.model.syncs import upload
+from app.model.varlen import VarlenGroups
 
 NAME = "specserve_ragged"
 LAYOUT = "specserve_layout"  # the forward's keyword argument saying it runs over the active Layout
@@ -257,7 +257,7 @@ def sdpa(query, key, value, mask, scale: float, gqa: bool, fused_only: bool = Fa
     """torch's SDPA over one sequence. fused_only (on a GPU): keys and values repeated to the query
     heads, so that a masked call can take the memory-efficient kernel, which holds no [heads,
     queries, keys] scores: with enable_gqa a masked call on a GPU has only the math kernel, whose
-    scores at a 131k context need gigabytes the memory model does not give it (app/memory.py).
+    scores at a 131k context need gigabytes the memory model does not give it (app/model/memory.py).
     The kernels are not restricted with torch's sdpa_kernel: its flags are the process's, not the
     thread's, and on the first GPU run a restriction held by one forward thread failed another
     thread's plain float32 call ("No available kernel")."""

@@ -4,8 +4,8 @@ A decode step or a verify multiplies 1 to ~100 rows by every weight of the model
 linears run at the speed the weights stream from memory. `nn.Linear`'s kernels are built for many
 rows and stream well below it: on the reference target's matrices (2-core AMD EPYC, one thread,
 float32, 1 row) `F.linear` read 9 to 13 GB/s and oneDNN's prepacked weights 11 to 12 GB/s, where
-the core reads 23 GB/s. So the small-row linear is a C++ kernel (app/kernels/small_gemm.cpp, built
-by app/native.py) over weights packed into column groups that each stream contiguously: 16 to 22
+the core reads 23 GB/s. So the small-row linear is a C++ kernel (app/model/kernels/small_gemm.cpp, built
+by app/model/native.py) over weights packed into column groups that each stream contiguously: 16 to 22
 GB/s at 1 row on the same matrices.
 
 Its op, `specserve::linear`, runs eager and inside the compiled steps alike (inductor keeps it as
@@ -25,9 +25,9 @@ from contextlib import contextmanager
 import torch
 from torch import nn
 
-from app import native
+from app.model import native
 
-SOURCE = "small_gemm.cpp"  # in app/kernels/, built by app/native.py
+SOURCE = "small_gemm.cpp"  # in app/model/kernels/, built by app/model/native.py
 # no -ffast-math: reassociated sums would make a row's result depend on the tile it runs in
 _FLAGS = ["-O3", "-march=native", "-ffp-contract=fast", "-fPIC", "-std=c++17"]
 _PACKABLE = (torch.float32, torch.bfloat16)
@@ -106,7 +106,7 @@ _local = threading.local()  # the real row count of the compiled step this threa
 @contextmanager
 def real_rows(count: int):
     """Within: the linears compute the first `count` rows of their input alone. A compiled step pads its
-    row to a bucket (app/compiled.py: 80 verify rows run in the 128-row graph); at a few rows a linear
+    row to a bucket (app/model/compiled.py: 80 verify rows run in the 128-row graph); at a few rows a linear
     streams its weights, but at tens of rows it is bound by arithmetic, which padding would waste."""
     before = getattr(_local, "rows", None)
     _local.rows = count

@@ -1,7 +1,7 @@
 """Where JSON values begin and end in text a model is still writing.
 
 A streamed tool call is sent as it is written: its name once whole, then its arguments' JSON text
-piece by piece (app/tool_calls.py). That needs the spans of values in a prefix of a JSON document, which
+piece by piece (app/openai/tool_calls.py). That needs the spans of values in a prefix of a JSON document, which
 no JSON library gives: `json` parses only whole documents, and partial-JSON parsers return values,
 not where they lie in the text. So this reads spans only: strings (with their escapes), nested
 objects and arrays, and literals, each to its end or to the end of the text (None: not yet whole).

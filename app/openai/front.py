@@ -18,17 +18,17 @@ from typing import Literal
 
 from pydantic import ValidationError
 
-from app.chat_template import chat_prompt_ids
+from app.openai.chat_template import chat_prompt_ids
 from app.chunks import RESUME_HEADER, Chunk, Resume, ResumeState, read_resume
 from app.errors import APIError, InvalidRequestError, invalid
 from app.grammar import Grammars
 from app.job import GenerationJob
-from app.openai_protocol import choice_seed, default_max_tokens, load_json, normalise_body
-from app.openai_responses import ChoiceView, choice_body, combined_speculation, completion_body, usage_body
+from app.openai.protocol import choice_seed, default_max_tokens, load_json, normalise_body
+from app.openai.responses import ChoiceView, choice_body, combined_speculation, completion_body, usage_body
 from app.params import MAX_CHOICES, SamplingParams, SpeculationParams
 from app.request import streamed_text
-from app.tokenization import detokenize, tokenize
-from app.tool_calls import PARSERS, enforced_tools, special_markers
+from app.openai.tokenization import detokenize, tokenize
+from app.openai.tool_calls import PARSERS, enforced_tools, special_markers
 
 # used when a tokenizer ships no chat template (the demo pair): plain "role: content" turns
 DEFAULT_CHAT_TEMPLATE = (
@@ -48,7 +48,7 @@ class FrontSettings:
     default_max_tokens: int = 16  # a completion that does not say (OpenAI's 16); a chat runs to the context
     max_body_bytes: int = 1 << 20
     trust_request_chat_template: bool = False
-    tool_call_parser: str | None = None  # app/tool_calls.py PARSERS; None refuses requests offering tools
+    tool_call_parser: str | None = None  # app/openai/tool_calls.py PARSERS; None refuses requests offering tools
     default_num_tokens: int | Literal["auto"] = "auto"  # a request's speculation K when it does not say
     api_keys: tuple[bytes, ...] = field(default=(), repr=False)  # none: every caller is let in
     chat_template: str | None = None  # the operator's, for a checkpoint whose own is missing or wrong
@@ -264,7 +264,7 @@ class OpenAIFront:
 
     def _tool_constraint(self, body, sampling: SamplingParams) -> SamplingParams:
         """A request offering tools: its format's markers kept in its text, and a required or named
-        call as a grammar of the format (app/tool_calls.py)."""
+        call as a grammar of the format (app/openai/tool_calls.py)."""
         if self.tool_markers:
             sampling = sampling.model_copy(update={"keep_special_token_ids": sorted(self.tool_markers.values())})
         try:

@@ -38,11 +38,11 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 
 from app import telemetry
-from app.ahead import DraftsAhead
-from app.draft_policy import DraftPolicy, DraftUnavailable
-from app.controller import CostEstimator, KController, VerifyCost
+from app.speculation.ahead import DraftsAhead
+from app.speculation.draft_policy import DraftPolicy, DraftUnavailable
+from app.speculation.controller import CostEstimator, KController, VerifyCost
 from app.request import RequestState
-from app.spec import BRANCH_SLOTS, RUNNER_UP_POSITIONS, Proposal, ProposeItem, Verdict, VerifyItem, branch_id
+from app.speculation.steps import BRANCH_SLOTS, RUNNER_UP_POSITIONS, Proposal, ProposeItem, Verdict, VerifyItem, branch_id
 from app.telemetry import NoObserver, RoundFacts, RoundObserver
 
 ProposeFn = Callable[[ProposeItem], Awaitable[Proposal]]
@@ -121,7 +121,7 @@ class Rounds:
 
     @property
     def gateable(self) -> bool:
-        """Whether the engine's measured gate decides this sequence's mode (app.gate.GoodputGate): only
+        """Whether the engine's measured gate decides this sequence's mode (app.speculation.gate.GoodputGate): only
         where output does not depend on K (greedy or unseeded, K not pinned, a draft to ask)."""
         return (self.costs.gate is not None and self.propose is not None and self._flexible()
                 and self.state.params.speculation.pinned_k() is None)

@@ -1,7 +1,7 @@
 """The batches a ModelRunner runs: a forward over several sequences, then draft steps that extend it,
 then the KV it keeps. RaggedBatch packs every sequence's new tokens into one row over the paged pool
-(app/ragged.py); Batch pads them into a batch for models the ragged path does not support (sliding
-windows, soft-capping). Each batch holds the ModelRunner that opened it (app/runner.py), which this
+(app/model/ragged.py); Batch pads them into a batch for models the ragged path does not support (sliding
+windows, soft-capping). Each batch holds the ModelRunner that opened it (app/model/runner.py), which this
 module does not import."""
 
 from dataclasses import dataclass
@@ -9,10 +9,10 @@ from dataclasses import dataclass
 import torch
 from transformers.cache_utils import Cache, DynamicLayer
 
-from app.hf_compat import with_cache
-from app.kv import SequenceCache, common_prefix, grown_capacity
-from app.ragged import LAYOUT, Layout, Span, active
-from app.syncs import upload
+from app.model.hf_compat import with_cache
+from app.model.kv import SequenceCache, common_prefix, grown_capacity
+from app.model.ragged import LAYOUT, Layout, Span, active
+from app.model.syncs import upload
 
 
 @dataclass
@@ -26,7 +26,7 @@ class SeqInput:
 
 
 class RaggedBatch:
-    """A batch in flight as one packed row (app/ragged.py): no padding, no gather, no write-back.
+    """A batch in flight as one packed row (app/model/ragged.py): no padding, no gather, no write-back.
 
     Each sequence computes in its own blocks of the pool; positions it no longer needs are a length
     change at close(). A second row of the same sequence in one batch (its proposal and one drafted
@@ -86,7 +86,7 @@ class RaggedBatch:
         """One forward of the packed row (ids: a list, or a [1, T] tensor on the device); returns the
         logits at `keep` (flat indices), [len(keep), V] float32."""
         device, runner = self.runner.device, self.runner
-        # the forward's indices in one host-to-device copy (app/syncs.py)
+        # the forward's indices in one host-to-device copy (app/model/syncs.py)
         parts = layout.parts()  # attention's own indices (gathers, the varlen plan)
         staged = upload([keep, positions, layout.slot_list] + parts
                         + ([] if isinstance(ids, torch.Tensor) else [ids]), device)
@@ -218,7 +218,7 @@ class Batch:
     Layout of row i in the KV axis: [left pad | reused prefix | new tokens | right pad | extended...];
     pads are masked out and positions are explicit, so every row sees exactly its own sequence.
     When no row needs padding (always at batch 1) the mask is dropped: the model's causal fast path.
-    The models that take this path (sliding windows, soft-capping: app.ragged.supports_ragged) read
+    The models that take this path (sliding windows, soft-capping: app.model.ragged.supports_ragged) read
     their reused prefixes from the block pool into the batch buffer once, and close() writes back
     only the positions this batch computed.
     """

@@ -10,20 +10,20 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig, PreTrainedModel
 
-from app import cpu_attention, dtypes
-from app.compiled import CompiledSteps, agrees, unavailable
-from app.cpu_linear import pack_linears
+from app.model import cpu_attention, dtypes
+from app.model.compiled import CompiledSteps, agrees, unavailable
+from app.model.cpu_linear import pack_linears
 from app.grammar import Grammars
-from app.kv import BLOCK_SIZE, KVStore, common_prefix
-from app.batches import Batch, RaggedBatch, SeqInput
-from app.ragged import Layout, active, supports_ragged
-from app.ragged import NAME as RAGGED
+from app.model.kv import BLOCK_SIZE, KVStore, common_prefix
+from app.model.batches import Batch, RaggedBatch, SeqInput
+from app.model.ragged import Layout, active, supports_ragged
+from app.model.ragged import NAME as RAGGED
 
 log = logging.getLogger(__name__)
 
 
 def weights_dtype(name_or_path: str, dtype: str, device: str = "cpu", trust_remote_code: bool = False) -> torch.dtype:
-    """The dtype to load a checkpoint in for a configured `dtype` on `device` (`app.dtypes.resolve`:
+    """The dtype to load a checkpoint in for a configured `dtype` on `device` (`app.model.dtypes.resolve`:
     "auto" is the checkpoint's own where the device computes it natively, else float32)."""
     checkpoint = None
     if dtype == "auto":
@@ -80,7 +80,7 @@ def load_generation_config(name_or_path: str, trust_remote_code: bool = False):
         return None
 
 
-ATTENTION = ("auto", "flex", "cpu_paged", "per_sequence", "varlen")  # app/ragged.py
+ATTENTION = ("auto", "flex", "cpu_paged", "per_sequence", "varlen")  # app/model/ragged.py
 
 
 def _note_thread(holder: list) -> None:
@@ -106,12 +106,12 @@ class ModelRunner:
         self.grammars = Grammars(tokenizer, self.vocab_size)  # structured output's matchers, per sequence
         # a sequence's matcher lives as long as its KV: on a draft replica the release may never come
         self.cache = KVStore(max_cache_bytes, on_drop=self.grammars.release)
-        # sequences packed end to end, attention per sequence over its own slab (app/ragged.py); models
+        # sequences packed end to end, attention per sequence over its own slab (app/model/ragged.py); models
         # whose attention that cannot reproduce exactly (sliding windows, soft-capping) use padded batches
         self.ragged = supports_ragged(model)
         if self.ragged:
             model.config._attn_implementation = RAGGED
-        # ragged attention's path (app/ragged.py): the paged CPU kernel for short spans on a CPU that
+        # ragged attention's path (app/model/ragged.py): the paged CPU kernel for short spans on a CPU that
         # builds it (float32), else one SDPA call per sequence; FlexAttention over the block pool when
         # asked for. On the first GPU run (an H100, torch 2.11) inductor could not lower the flex kernel
         # for the pool's shapes (NoValidChoicesError) and new batch shapes recompiled it past dynamo's
@@ -125,17 +125,17 @@ class ModelRunner:
         elif attention == "cpu_paged" and not cpu_attention.usable(model.dtype, self.device):
             raise ValueError("attention='cpu_paged' needs a float32 model on a CPU and a C++ compiler")
         self.attention = attention
-        # CPU serving: linears on packed weights, streamed by the small-row kernel (app/cpu_linear.py),
+        # CPU serving: linears on packed weights, streamed by the small-row kernel (app/model/cpu_linear.py),
         # eager and compiled alike; before the steps are built, so their head is the packed one
         compiling = compile != "off" and not self._why_eager()
         self.packed_linears = (pack_linears(model, compiled=compiling, dtype=packed_dtype)
                                if pack and self.device.type == "cpu" else 0)
-        # compiled steps over static token counts (app/compiled.py): ragged forwards of one device only
+        # compiled steps over static token counts (app/model/compiled.py): ragged forwards of one device only
         self.steps = self._compiled(compile, compile_max_tokens)
         # models whose forward takes a per-row mask of the positions to project (transformers'
         # slice_logits_to_keep) run the LM head only where a logit is needed, not over every position
         self.ragged_logits = hasattr(sys.modules.get(type(model).__module__), "slice_logits_to_keep")
-        # CPU attention reads a sequence's KV in place only where its blocks are one run (app/ragged.py):
+        # CPU attention reads a sequence's KV in place only where its blocks are one run (app/model/ragged.py):
         # a table left in several runs after a forward is moved into one (measured: gathers took 14 % of
         # a served target replica's time at 16 streams, half of them borrowers of a cached prompt)
         self.compact_tables = self.device.type == "cpu"
@@ -165,12 +165,12 @@ class ModelRunner:
 
     @property
     def attention_path(self) -> str:
-        """The attention path the memory model budgets (app/memory.py): the ragged one, or "padded"."""
+        """The attention path the memory model budgets (app/model/memory.py): the ragged one, or "padded"."""
         return self.attention if self.ragged else "padded"
 
     def _why_eager(self) -> str | None:
         """Why this runner's steps cannot be compiled, or None when they can."""
-        return ("the model's attention is not ragged (app/ragged.py)" if not self.ragged
+        return ("the model's attention is not ragged (app/model/ragged.py)" if not self.ragged
                 else "tensor parallel forwards run eagerly" if getattr(self.model, "tp_size", None)
                 else unavailable(self.device))
 
@@ -250,7 +250,7 @@ class ModelRunner:
         return text.num_hidden_layers, heads // shards, head_dim
 
     def pool(self):
-        """The KV block pool (app/kv.py), made at the budget's size on first use."""
+        """The KV block pool (app/model/kv.py), made at the budget's size on first use."""
         return self.cache.configure(*self.kv_shape(), self.model.dtype, self.device, zeroed=self.flex)
 
     def kv_block_bytes(self) -> int:

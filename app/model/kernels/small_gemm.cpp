@@ -1,5 +1,5 @@
 // A linear layer for the few rows of a decode or verify step: y = x W^T (+ bias), with W packed once
-// into column groups laid out for streaming. app/cpu_linear.py builds, loads and calls it. Why by
+// into column groups laid out for streaming. app/model/cpu_linear.py builds, loads and calls it. Why by
 // hand: docs/architecture.md ("CPU linears").
 //
 // At 1 to ~16 rows a step's linears read every weight once and do little arithmetic with it, so

@@ -4,9 +4,9 @@ token ids as the server would generate from them, and token ids back to text."""
 from pydantic import BaseModel, ConfigDict, Field
 
 from app.errors import InvalidRequestError
-from app.chat_template import ChatMessage, TemplateControls, chat_prompt_ids
+from app.openai.chat_template import ChatMessage, TemplateControls, chat_prompt_ids
 from app.params import MAX_TOKEN_ID
-from app.tool_calls import MAX_TOOLS, Tool
+from app.openai.tool_calls import MAX_TOOLS, Tool
 
 MAX_DETOKENIZE = 1 << 20  # token ids one /detokenize may send (the body limit bounds it first)
 

@@ -10,12 +10,12 @@ import torch
 
 from app.errors import InvalidRequestError
 from app.grammar import Grammars
-from app.logits import LogitRules
+from app.speculation.logits import LogitRules
 from app.params import SamplingParams
-from app.runner import ModelRunner, SeqInput
-from app.sampling import DRAFT, EMIT, SamplingSteps, process_logits, rejection_sample, sample, uniform
-from app.draft_length import Lengths
-from app.syncs import to_device, upload
+from app.model.runner import ModelRunner, SeqInput
+from app.speculation.sampling import DRAFT, EMIT, SamplingSteps, process_logits, rejection_sample, sample, uniform
+from app.speculation.draft_length import Lengths
+from app.model.syncs import to_device, upload
 
 
 @dataclass
@@ -29,7 +29,7 @@ class ProposeItem:
     seed: int
     trace: dict | None = None  # W3C trace context of the caller's span, when tracing
     guess: bool = False  # also draft token k+1: the draft's guess of the target's bonus token
-    rules: LogitRules | None = None  # the request's history-dependent logit rules (app/logits.py)
+    rules: LogitRules | None = None  # the request's history-dependent logit rules (app/speculation/logits.py)
     runner_ups: int = 0  # greedy: also the draft's next-best tokens at the first RUNNER_UP_POSITIONS
     # stop drafting after the first token the draft gives less than this probability (0: draft all k);
     # the guess is then the draft's next token. Exact: the proposal's length depends on q alone.
@@ -98,7 +98,7 @@ class VerifyItem:
     trace: dict | None = None  # W3C trace context of the caller's span, when tracing
     prefill: bool = False  # a prompt chunk: compute and keep its KV, emit nothing
     new_tokens: int = 0  # positions it may compute (uncached context + draft), for the forward's token budget
-    rules: LogitRules | None = None  # the request's history-dependent logit rules (app/logits.py)
+    rules: LogitRules | None = None  # the request's history-dependent logit rules (app/speculation/logits.py)
     score_from: int | None = None  # a prompt chunk starting here whose tokens' logprobs are wanted
 
 
@@ -187,7 +187,7 @@ def _guess(logits: torch.Tensor, items: list[ProposeItem], positions: torch.Tens
 def ruled(grammars: Grammars, seq_id: str, rules: LogitRules | None, logits: torch.Tensor, history: list[int],
           new: list[int] = ()) -> torch.Tensor:
     """logits [N, V] of N consecutive positions (row j after history + new[:j]) under a request's rules
-    (app/logits.py) and its grammar (app/grammar.py)."""
+    (app/speculation/logits.py) and its grammar (app/grammar.py)."""
     if rules is None:
         return logits
     out = rules.apply(logits, history, new)
@@ -222,7 +222,7 @@ def propose(runner: ModelRunner, items: list[ProposeItem], top_n: int = 32) -> l
     steps = max(drafted)
     tokens, ids, probs = [], [], []
     guess_steps = [it.k if it.guess else -1 for it in batch_items]  # on the host: no sync to test them
-    # what every step needs, on the device once per proposal (app/syncs.py: one copy each)
+    # what every step needs, on the device once per proposal (app/model/syncs.py: one copy each)
     positions, guess_step, seeds = upload([[len(it.token_ids) for it in batch_items], guess_steps,
                                            [it.seed for it in batch_items]], logits.device)
     greedy = all(it.sampling.greedy for it in batch_items)

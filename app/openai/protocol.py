@@ -1,5 +1,5 @@
 """OpenAI-compatible request bodies (completions and chat) and the error body; the chat template is
-app/chat_template.py, the response bodies are built in app/openai_responses.py."""
+app/openai/chat_template.py, the response bodies are built in app/openai/responses.py."""
 
 import json
 import re
@@ -7,12 +7,12 @@ import uuid
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
-from app.chat_template import ChatMessage, TemplateControls
+from app.openai.chat_template import ChatMessage, TemplateControls
 from app.errors import InvalidRequestError
 from app.params import (MAX_CHOICES, MAX_LOGIT_BIAS, MAX_STOP_CHARS, MAX_STOPS, MAX_TOKEN_ID, MIN_TOKENS,
                         SamplingFields, SamplingParams, SpeculationParams)
-from app.structured import GUIDED, MAX_CHOICE_STRINGS, MAX_PATTERN_CHARS, StructuredOutputs, constraint
-from app.tool_calls import MAX_TOOLS, Tool, ToolChoice
+from app.openai.structured import GUIDED, MAX_CHOICE_STRINGS, MAX_PATTERN_CHARS, StructuredOutputs, constraint
+from app.openai.tool_calls import MAX_TOOLS, Tool, ToolChoice
 
 MAX_JSON_DEPTH = 64  # nesting of a request body (a JSON schema of 30 nested objects fits)
 TOKEN_ID_KEY = re.compile(r"0|[1-9][0-9]{0,9}")  # a token id as OpenAI's logit_bias keys write it: ASCII decimal
@@ -108,7 +108,7 @@ class _Common(SamplingFields):
                                                            'output follows it.')
     structured_outputs: StructuredOutputs | None = Field(
         None, description="Extension (vLLM's): a JSON schema, a regex, a choice of strings or a Lark grammar the "
-                          "output follows; at most one constraint per request (app/structured.py).")
+                          "output follows; at most one constraint per request (app/openai/structured.py).")
     guided_json: dict | str | None = Field(None, description="Extension (vLLM's older name): structured_outputs.json.")
     guided_regex: str | None = Field(None, max_length=MAX_PATTERN_CHARS, description="structured_outputs.regex.")
     guided_choice: list[str] | None = Field(None, max_length=MAX_CHOICE_STRINGS, description="structured_outputs.choice.")

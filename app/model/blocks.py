@@ -1,4 +1,4 @@
-"""The pieces of the paged KV cache (app/kv.py): blocks of BLOCK_SIZE positions in one pool per
+"""The pieces of the paged KV cache (app/model/kv.py): blocks of BLOCK_SIZE positions in one pool per
 model, a sequence's block table (SequenceCache), and the chain hashes that index whole blocks by
 their token ids for prefix sharing."""
 

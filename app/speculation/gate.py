@@ -1,6 +1,6 @@
 """The goodput gate: whether speculating emits more tokens per second than plain steps, measured
 at the engine's current load; the driver holds flexible sequences with company to plain steps where
-it does not (app/driver.py)."""
+it does not (app/speculation/driver.py)."""
 
 from __future__ import annotations
 
@@ -39,7 +39,7 @@ class GoodputGate:
     idle gap (no round for `window_s`) or by a round alone measures nothing.
 
     Only K that output does not depend on is gated: greedy and unseeded requests, K not pinned.
-    A seeded sampled request's K depends on its own history alone (app/driver.py).
+    A seeded sampled request's K depends on its own history alone (app/speculation/driver.py).
     """
 
     clock: Callable[[], float] = time.monotonic

@@ -1,13 +1,13 @@
 """Logit rules that depend on what came before a position: bias, min_tokens and the penalties.
 
 Speculation stays exact whatever distribution p the target's logits are turned into, as long as p
-at position j is a function of the tokens before j (app/sampling.py). These rules are such
+at position j is a function of the tokens before j (app/speculation/sampling.py). These rules are such
 functions: a verify round applies them at each of its K+1 positions with exactly the tokens
 before it, the draft tokens accepted up to there included, and the draft applies the same rules
 along its own proposal, so its q is processed alike and acceptance stays high.
 
 The order is vLLM's: logit bias and min_tokens, then the repetition, frequency and presence
-penalties; temperature, min_p, top-k and top-p follow in app.sampling.process_logits. Frequency
+penalties; temperature, min_p, top-k and top-p follow in app.speculation.sampling.process_logits. Frequency
 and presence count output tokens only; repetition counts prompt and output (as vLLM and HF do).
 
 Written here rather than taken from transformers' logits processors: those take one [B, T] batch

@@ -1,6 +1,6 @@
 // Paged attention on a CPU for a ragged batch's short spans (decode steps, verify rows): every span's
 // query rows against the keys and values its block table names, read where they lie in the pool.
-// One call per layer for the whole batch; app/cpu_attention.py builds and loads it, app/ragged.py
+// One call per layer for the whole batch; app/model/cpu_attention.py builds and loads it, app/model/ragged.py
 // calls it. Why by hand: docs/architecture.md ("CPU attention").
 //
 // Layouts (float32, contiguous unless strided below):

@@ -11,7 +11,7 @@ the output into OpenAI's `tool_calls`:
 - `mistral`: `[TOOL_CALLS]` then a JSON list of `{"name": ..., "arguments": {...}}`.
 
 Both the unary answer and the stream read calls with one scanner (`Parser.calls`, over
-app/json_scan.py): a call counts once its name is whole, and its arguments are the JSON text the
+app/openai/json_scan.py): a call counts once its name is whole, and its arguments are the JSON text the
 model wrote (a JSON string's contents, if it wrote one). A stream sends each call's name as soon
 as it is whole and its arguments as they grow, so what a client assembles is the unary answer.
 
@@ -33,8 +33,8 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from app.json_scan import members, objects, whole_string
-from app.structured import JSON_LAYOUT
+from app.openai.json_scan import members, objects, whole_string
+from app.openai.structured import JSON_LAYOUT
 
 MAX_TOOLS = 128
 

@@ -1,0 +1,1 @@
+"""The speculative round: drafting and verifying (steps.py), sampling and the rejection sampler, logits processing, the K controller and goodput gate, the round loop of one request and its drafts ahead, the draft's policies."""
