@@ -17,8 +17,9 @@ import torch
 
 from app.engine import Engine
 from app.params import SamplingParams
+from app.model import runner as model_runner
 
-TEXT = Path(__file__).parent.parent / "app" / "runner.py"  # any long text the tokenizer knows
+TEXT = Path(model_runner.__file__)  # any long text the tokenizer knows
 
 
 async def _run(engine: Engine, streams: int, long_ids: list[int]) -> dict:
