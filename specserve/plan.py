@@ -106,7 +106,7 @@ def plan_model(name: str, settings, config: dict, gpu: str | None, forward_token
     weights = weights_per_rank(config, dtype, tp)
     attention = ("padded" if getattr(cfg, "sliding_window", None) or getattr(cfg, "attn_logit_softcapping", None)
                  else settings.attention if settings.attention != "auto"
-                 else "cpu_paged" if gpu is None and dtype == torch.float32 else "per_sequence")
+                 else "cpu_paged" if gpu is None and dtype in (torch.float32, torch.bfloat16) else "per_sequence")
     max_len = settings.max_model_len or positions
     work = working_bytes(cfg, dtype, forward_tokens, cfg.vocab_size, context=max_len, attention=attention,
                          logit_rows=logit_rows, batch=batch, tp_size=tp, device_type="cuda" if gpu else "cpu")

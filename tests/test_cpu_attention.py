@@ -24,7 +24,8 @@ class _Span:
 
 
 def _reference(query, keys, values, spans, scale):
-    """Each span's rows by SDPA over its keys gathered in table order, causal from its start."""
+    """Each span's rows by SDPA over its keys gathered in table order, causal from its start (in float32)."""
+    query, keys, values = query.float(), keys.float(), values.float()
     out = torch.zeros(1, query.shape[2], query.shape[1], query.shape[3])
     for s in spans:
         end = s.start + s.length
@@ -40,35 +41,43 @@ def _reference(query, keys, values, spans, scale):
 
 @pytest.mark.parametrize("heads_q,heads_kv,dim", [(4, 4, 64), (8, 2, 32), (6, 3, 80)])
 @pytest.mark.parametrize("threads", [1, 3])
-def test_kernel_matches_sdpa_over_scattered_blocks(heads_q, heads_kv, dim, threads, monkeypatch):
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_kernel_matches_sdpa_over_scattered_blocks(heads_q, heads_kv, dim, threads, dtype, monkeypatch):
     """Spans of 1 to MAX_ROWS rows, starting anywhere (a block's middle, position 0), their tables in
-    blocks scattered over the pool; queries strided as the model's projections leave them."""
+    blocks scattered over the pool; queries strided as the model's projections leave them. bfloat16:
+    within one rounding of float32 attention over the same (bfloat16) inputs."""
     gen = torch.Generator().manual_seed(heads_q * dim + threads)
     num_blocks = 64
-    keys = torch.randn(heads_kv, num_blocks * BLOCK_SIZE, dim, generator=gen)
-    values = torch.randn(heads_kv, num_blocks * BLOCK_SIZE, dim, generator=gen)
+    keys = torch.randn(heads_kv, num_blocks * BLOCK_SIZE, dim, generator=gen).to(dtype)
+    values = torch.randn(heads_kv, num_blocks * BLOCK_SIZE, dim, generator=gen).to(dtype)
     free = torch.randperm(num_blocks, generator=gen).tolist()
     spans, offset = [], 0
     for rows, start in [(1, 0), (1, 37), (5, 90), (8, 15), (3, 47), (2, 160), (cpu_attention.MAX_ROWS, 0)]:
         n = -(-(start + rows) // BLOCK_SIZE)
         spans.append(_Span([free.pop() for _ in range(n)], start, rows, offset))
         offset += rows
-    query = torch.randn(1, offset, heads_q, dim, generator=gen).transpose(1, 2)  # [1, Hq, T, D], strided
-    out = torch.zeros(1, offset, heads_q, dim)
+    query = torch.randn(1, offset, heads_q, dim, generator=gen).to(dtype).transpose(1, 2)  # [1, Hq, T, D], strided
+    out = torch.zeros(1, offset, heads_q, dim, dtype=dtype)
     monkeypatch.setattr(torch, "get_num_threads", lambda: threads)
     cpu_attention.Spans(spans).attend(query, keys, values, out, dim ** -0.5)
-    torch.testing.assert_close(out, _reference(query, keys, values, spans, dim ** -0.5), atol=2e-5, rtol=1e-5)
+    want = _reference(query, keys, values, spans, dim ** -0.5)
+    if dtype == torch.float32:
+        torch.testing.assert_close(out, want, atol=2e-5, rtol=1e-5)
+    else:  # one rounding to bfloat16 (2^-8 relative), of sums that differ from SDPA's in float32's last bits
+        torch.testing.assert_close(out.float(), want, atol=1e-4, rtol=2 ** -8)
+        assert (out.float() - want.to(dtype).float()).abs().max() <= want.abs().max() * 2 ** -7
 
 
-def test_a_row_does_not_depend_on_its_batch():
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_row_does_not_depend_on_its_batch(dtype):
     """The same span alone and among others: bit-identical rows (seeded output independent of batch)."""
     gen = torch.Generator().manual_seed(3)
-    keys, values = torch.randn(2, 32 * BLOCK_SIZE, 16, generator=gen), torch.randn(2, 32 * BLOCK_SIZE, 16, generator=gen)
-    query = torch.randn(1, 2, 9, 16, generator=gen)
+    keys, values = (torch.randn(2, 32 * BLOCK_SIZE, 16, generator=gen).to(dtype) for _ in range(2))
+    query = torch.randn(1, 2, 9, 16, generator=gen).to(dtype)
     mine = _Span([5, 9, 2], 40, 4, 5)
-    alone = torch.zeros(1, 9, 2, 16)
+    alone = torch.zeros(1, 9, 2, 16, dtype=dtype)
     cpu_attention.Spans([mine]).attend(query, keys, values, alone, 0.25)
-    crowded = torch.zeros(1, 9, 2, 16)
+    crowded = torch.zeros(1, 9, 2, 16, dtype=dtype)
     cpu_attention.Spans([_Span([1, 3], 20, 5, 0), mine]).attend(query, keys, values, crowded, 0.25)
     assert torch.equal(alone[:, 5:], crowded[:, 5:])
 
@@ -109,7 +118,28 @@ def test_without_a_compiler_attention_stays_per_sequence(monkeypatch, tmp_path, 
         ModelRunner(target_model, tokenizer, attention="cpu_paged")
 
 
-def test_only_float32_pools_take_the_kernel():
+def test_float32_and_bfloat16_pools_on_a_cpu_take_the_kernel():
     assert cpu_attention.usable(torch.float32, torch.device("cpu"))
-    assert not cpu_attention.usable(torch.bfloat16, torch.device("cpu"))
+    assert cpu_attention.usable(torch.bfloat16, torch.device("cpu"))
+    assert not cpu_attention.usable(torch.float16, torch.device("cpu"))
     assert not cpu_attention.usable(torch.float32, torch.device("meta"))
+
+
+def test_a_bfloat16_models_steps_through_the_kernel_match_its_per_sequence_attention(target_model, tokenizer):
+    """A bfloat16 model's decode and verify logits by the kernel and by SDPA per sequence: the same up to
+    bfloat16's rounding of the attention outputs."""
+    import copy
+
+    from app.model.batches import SeqInput
+    from app.model.runner import ModelRunner
+
+    model = copy.deepcopy(target_model).to(torch.bfloat16)
+    runners = {a: ModelRunner(copy.deepcopy(model), tokenizer, attention=a) for a in ("cpu_paged", "per_sequence")}
+    assert runners["cpu_paged"].attention == "cpu_paged"
+    prompts = [list(range(2, 40)), list(range(5, 22))]
+    logits = {}
+    for name, runner in runners.items():
+        runner.forward([SeqInput(f"s{i}", p, 1) for i, p in enumerate(prompts)])
+        step = runner.forward([SeqInput(f"s{i}", p + [7, 8, 9], 3) for i, p in enumerate(prompts)])
+        logits[name] = torch.cat([x.float() for x in step])
+    torch.testing.assert_close(logits["cpu_paged"], logits["per_sequence"], atol=0.05, rtol=0.02)

@@ -8,8 +8,9 @@ and a compiled gather measured slower still (docs/architecture.md, "CPU attentio
 span's attention is a small C++ kernel (app/model/kernels/paged_attention.cpp): every short span of the
 layer in one call, each row's keys and values read through its block table where they lie.
 
-The kernel is compiled once per machine for its own instruction set (app/model/native.py). No compiler
-(the same need as compiled steps), a build that fails, or a pool that is not float32: None, and
+The kernel is compiled once per machine for its own instruction set (app/model/native.py), for pools
+of float32 or bfloat16 (widened as read, summed in float32, each output rounded once). No compiler
+(the same need as compiled steps), a build that fails, or a pool of another dtype: None, and
 attention stays torch's, one call per sequence.
 
 Math flags: -ffast-math vectorises the exponentials and the sums (glibc's vector expf); it is
@@ -28,12 +29,16 @@ MAX_ROWS = 8  # spans up to this many new rows take the kernel; longer ones (pro
 _FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp-simd", "-fPIC", "-std=c++17"]
 
 
-def kernel():
-    """The loaded kernel (a ctypes function), or None where it cannot be built. Built once a process."""
+_KERNELS = {torch.float32: "specserve_paged_attention_f32", torch.bfloat16: "specserve_paged_attention_bf16"}
+
+
+def kernel(dtype: torch.dtype = torch.float32):
+    """The loaded kernel for a pool of `dtype` (a ctypes function), or None where it cannot be built.
+    Built once a process."""
     lib = native.load(SOURCE, _FLAGS)
-    if lib is None:
+    if lib is None or dtype not in _KERNELS:
         return None
-    fn = lib.specserve_paged_attention_f32
+    fn = getattr(lib, _KERNELS[dtype])
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
     fn.argtypes = [ptr, i64, i64, ptr, ptr, ptr, ptr, i64, ptr, i64, i64, i64, i64, i64, ctypes.c_float, i64]
     fn.restype = None
@@ -42,7 +47,7 @@ def kernel():
 
 def usable(pool_dtype: torch.dtype, device: torch.device) -> bool:
     """Whether a pool of this dtype on this device can take the kernel (building it if need be)."""
-    return device.type == "cpu" and pool_dtype == torch.float32 and kernel() is not None
+    return device.type == "cpu" and kernel(pool_dtype) is not None
 
 
 class Spans:
@@ -65,6 +70,6 @@ class Spans:
         if query.stride(-1) != 1:
             query = query.contiguous()
         heads_kv, slots, dim = keys.shape
-        kernel()(query.data_ptr(), query.stride(1), query.stride(2), keys.data_ptr(), values.data_ptr(),
+        kernel(keys.dtype)(query.data_ptr(), query.stride(1), query.stride(2), keys.data_ptr(), values.data_ptr(),
                  out.data_ptr(), self.meta.data_ptr(), self.count, self.tables.data_ptr(), query.shape[1], heads_kv,
                  dim, slots, BLOCK_SIZE, scale, torch.get_num_threads())

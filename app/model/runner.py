@@ -112,7 +112,7 @@ class ModelRunner:
         if self.ragged:
             model.config._attn_implementation = RAGGED
         # ragged attention's path (app/model/ragged.py): the paged CPU kernel for short spans on a CPU that
-        # builds it (float32), else one SDPA call per sequence; FlexAttention over the block pool when
+        # builds it (float32 or bfloat16), else one SDPA call per sequence; FlexAttention over the block pool when
         # asked for. On the first GPU run (an H100, torch 2.11) inductor could not lower the flex kernel
         # for the pool's shapes (NoValidChoicesError) and new batch shapes recompiled it past dynamo's
         # limit, so auto no longer takes it on a GPU. varlen (one FlashAttention call per layer for many
@@ -123,7 +123,7 @@ class ModelRunner:
             attention = ("cpu_paged" if self.ragged and cpu_attention.usable(model.dtype, self.device)
                          else "per_sequence")
         elif attention == "cpu_paged" and not cpu_attention.usable(model.dtype, self.device):
-            raise ValueError("attention='cpu_paged' needs a float32 model on a CPU and a C++ compiler")
+            raise ValueError("attention='cpu_paged' needs a float32 or bfloat16 model on a CPU and a C++ compiler")
         self.attention = attention
         # CPU serving: linears on packed weights, streamed by the small-row kernel (app/model/cpu_linear.py),
         # eager and compiled alike; before the steps are built, so their head is the packed one
