@@ -353,18 +353,31 @@ def windows(gate: GoodputGate, clock: Clock, rate: dict[bool, float], n: int, ac
 def test_the_gate_keeps_speculating_where_it_is_faster_and_retries_plain_steps():
     clock = Clock()
     gate = GoodputGate(clock=clock)
-    modes = windows(gate, clock, {True: 320.0, False: 192.0}, 22)
+    modes = windows(gate, clock, {True: 3232.0, False: 3200.0}, 22)  # 101 and 100 tokens a round
     assert modes[:3] == [True, False, True]  # each mode measured once at this load, then the faster
-    assert modes.count(False) == 5  # the slower one retried one window in five (after the first two)
-    assert gate.rates[(True, 1)] == pytest.approx(320.0) and gate.rates[(False, 1)] == pytest.approx(192.0)
+    assert modes.count(False) == 5  # the slower one, 1 % behind, retried one window in five (after the first two)
+    assert gate.rates[(True, 1)] == pytest.approx(3232.0) and gate.rates[(False, 1)] == pytest.approx(3200.0)
 
 
 def test_the_gate_takes_plain_steps_where_they_are_faster():
     clock = Clock()
     gate = GoodputGate(clock=clock)
-    modes = windows(gate, clock, {True: 150.0, False: 200.0}, 22)
+    modes = windows(gate, clock, {True: 3168.0, False: 3200.0}, 22)
     assert modes[:3] == [True, False, False]
     assert modes.count(True) == 5
+
+
+@pytest.mark.parametrize("slower, every", [(95, 5), (88, 14), (80, 20), (50, 20)])
+def test_the_further_behind_a_mode_measured_the_less_often_it_is_tried(slower, every):
+    """Each try of the slower mode costs its gap for a window. Plain steps emitting 100 tokens a round
+    against speculation's 95 (5 % ahead): speculation tried one window in 5; against 88 (14 %), in 14;
+    25 % ahead or more, one window in 20 (explore_max)."""
+    clock = Clock()
+    gate = GoodputGate(clock=clock)
+    modes = windows(gate, clock, {True: slower * 32.0, False: 3200.0}, 2 + 3 * every)
+    assert modes[:3] == [True, False, False]
+    tries = [i for i, m in enumerate(modes) if m and i > 0]
+    assert tries == [1 + every, 1 + 2 * every, 1 + 3 * every]  # window 1 measured plain steps first
 
 
 def test_the_gate_decides_per_load():
