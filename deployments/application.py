@@ -19,14 +19,12 @@ from deployments.ingress import Ingress
 from deployments.servers import DraftServer, TargetServer
 
 
-def resolve_models(cfg: AppConfig) -> tuple[str, str | None]:
-    """Model paths: as named, else the built pair `cfg.pair`'s (specserve.demo.models)."""
-    draft = cfg.draft.model if cfg.draft else None
-    if cfg.target.model is not None and (draft is not None or cfg.draft is None):
-        return cfg.target.model, draft  # nothing to fill in: the pair builder is not imported
-    from specserve.demo import models
-
-    return models(cfg.target.model, draft, cfg.pair, with_draft=cfg.draft is not None)
+def model_paths(cfg: AppConfig) -> tuple[str, str | None]:
+    """The target's and the draft's sources as the config names them (no draft: plain decoding)."""
+    if cfg.target.model is None:
+        raise ValueError("args.target.model names no model: give a directory, hub id, s3:// or gs:// source, or "
+                         "deploy with import_path specserve.serving:build_app, which serves the built pair args.pair")
+    return cfg.target.model, cfg.draft.model if cfg.draft else None
 
 
 def tensor_parallel_options(cfg: AppConfig) -> dict:
@@ -48,7 +46,7 @@ def tensor_parallel_options(cfg: AppConfig) -> dict:
 def build_app(args: dict) -> Application:
     """The specserve application; `args` is AppConfig (the `args` of cluster/serve_config.yaml)."""
     cfg = AppConfig.model_validate(args or {})
-    target_path, draft_path = resolve_models(cfg)  # sources: each replica makes them local on its own node
+    target_path, draft_path = model_paths(cfg)  # sources: each replica makes them local on its own node
     # the builder reads configs and tokenizers only: a remote model's other files, fetched on this node
     target_meta = local_model(target_path, cfg.target.revision, cfg.target.download_dir, weights=False)
     if draft_path:

@@ -86,8 +86,10 @@ class AppConfig(BaseModel):
     target: TargetConfig = Field(default_factory=TargetConfig, description="The target model.")
     draft: DraftConfig | None = Field(default_factory=DraftConfig, description="The draft; null = no speculation.")
     pair: Literal["smollm2", "demo", "quick"] = Field(
-        "smollm2", description="The built pair whose models serve when none is named (specserve/demo/__init__.py): smollm2 "
-        "(SmolLM2-135M-Instruct and its distilled draft), demo (a toy trained on the standard library) or quick.")
+        "smollm2", description="The built pair whose models serve when none is named, filled in by the shipped "
+        "configs' builder (import_path specserve.serving:build_app; deployments.application:build_app takes named "
+        "models only): smollm2 (SmolLM2-135M-Instruct and its distilled draft), demo (a toy trained on the "
+        "standard library) or quick.")
     served_model_name: str | None = Field(None, description="Name in /v1/models; default: the target's name.")
     tool_call_parser: Literal["hermes", "llama3_json", "mistral"] | None = Field(
         None, description="How the target writes tool calls (app/openai/tool_calls.py): hermes (Hermes, Qwen 2.5), llama3_json "

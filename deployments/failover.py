@@ -25,6 +25,7 @@ import asyncio
 import json
 import logging
 import os
+from dataclasses import dataclass
 
 from app.chunks import GUARD_HEADER, RESUME_HEADER, Resume, ResumeState
 from app.openai.protocol import error_body
@@ -144,20 +145,38 @@ class Attempt:
             self.state.apply(report)
 
 
-class FailoverMiddleware:
-    """See the module docstring. `retries`: attempts after the first; `backoff_s`: the first wait,
-    doubled up to `max_backoff_s`. The defaults wait ~30 s in all: enough for Serve to replace a lone
-    ingress replica on a busy node (13 s measured on an idle one), while a second replica takes the
-    request at the first retry."""
+@dataclass(frozen=True)
+class Retries:
+    """Attempts after the first, and the wait before each: `backoff_s` first, doubled up to
+    `max_backoff_s`. The defaults wait ~30 s in all: enough for Serve to replace a lone ingress
+    replica on a busy node (13 s measured on an idle one), while a second replica takes the request
+    at the first retry."""
 
-    def __init__(self, app, retries: int = 18, backoff_s: float = 0.25, max_backoff_s: float = 2.0,
-                 sleep=asyncio.sleep, max_body_bytes: int | None = None, idle_timeout_s: float = BODY_IDLE_TIMEOUT_S,
-                 body_timeout_s: float = BODY_TIMEOUT_S, drain: tuple[int, float] = (DRAIN_BYTES, DRAIN_S)):
-        self.app, self.retries, self.sleep = app, retries, sleep
-        self.backoff_s, self.max_backoff_s = backoff_s, max_backoff_s
-        self.max_body_bytes = max_body_bytes or int(os.environ.get("SPECSERVE_PROXY_MAX_BODY_BYTES") or MAX_BODY_BYTES)
-        self.idle_timeout_s, self.body_timeout_s = idle_timeout_s, body_timeout_s
-        self.drain = drain  # (bytes, seconds): how much of a refused body is read and discarded, at most
+    retries: int = 18
+    backoff_s: float = 0.25
+    max_backoff_s: float = 2.0
+
+
+@dataclass(frozen=True)
+class BodyLimits:
+    """How a POST body is read: at most `max_bytes` (None: SPECSERVE_PROXY_MAX_BODY_BYTES, else the
+    ingress's default), within the idle and whole-body timeouts; of a refused one, at most `drain`
+    (bytes, seconds) is read and discarded before the answer."""
+
+    max_bytes: int | None = None
+    idle_timeout_s: float = BODY_IDLE_TIMEOUT_S
+    timeout_s: float = BODY_TIMEOUT_S
+    drain: tuple[int, float] = (DRAIN_BYTES, DRAIN_S)
+
+
+class FailoverMiddleware:
+    """See the module docstring."""
+
+    def __init__(self, app, retries: Retries = Retries(), body: BodyLimits = BodyLimits(), sleep=asyncio.sleep):
+        self.app, self.sleep = app, sleep
+        self.retries, self.backoff_s, self.max_backoff_s = retries.retries, retries.backoff_s, retries.max_backoff_s
+        self.max_body_bytes = body.max_bytes or int(os.environ.get("SPECSERVE_PROXY_MAX_BODY_BYTES") or MAX_BODY_BYTES)
+        self.idle_timeout_s, self.body_timeout_s, self.drain = body.idle_timeout_s, body.timeout_s, body.drain
 
     async def __call__(self, scope, receive, send):
         """Every POST's body is read here within the limits (so every route refuses alike, and

@@ -86,10 +86,9 @@ def cmd_bench(args) -> int:
 def _served_name(config: dict) -> str:
     from pathlib import Path
 
-    from deployments.application import resolve_models
-    from deployments.args import AppConfig
+    from specserve.serving import with_pair
 
-    target, _ = resolve_models(AppConfig.model_validate(config["applications"][0]["args"]))
+    target = with_pair(config["applications"][0]["args"])["target"]["model"]
     return Path(target.rstrip("/")).name
 
 

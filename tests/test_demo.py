@@ -257,3 +257,20 @@ def test_unnamed_models_come_from_the_pair_and_a_named_target_brings_its_own_dra
     assert demo.models("mine/t", None) == ("mine/t", None)  # never the pair's draft, made for the pair's target
     assert demo.models("mine/t", "mine/d") == ("mine/t", "mine/d")
     assert built == ["demo", "demo", "quick"]  # a named target builds nothing
+
+
+def test_the_shipped_builder_fills_in_the_pair_and_the_serving_layer_takes_paths_only(monkeypatch):
+    """`specserve.serving:build_app` (the shipped configs' import_path) names the pair's models;
+    `deployments.application:build_app` serves named models and never builds a pair."""
+    import specserve.demo as demo
+    from deployments.application import build_app
+    from specserve.serving import with_pair
+
+    monkeypatch.setattr(demo, "pair", lambda name, cache_dir=None: (f"{name}/t", f"{name}/d"))
+    filled = with_pair({"pair": "quick", "target": {"dtype": "float32"}})
+    assert filled["target"] == {"dtype": "float32", "model": "quick/t"} and filled["draft"]["model"] == "quick/d"
+    assert with_pair({"pair": "quick", "draft": None}) == {"pair": "quick", "target": {"model": "quick/t"}, "draft": None}
+    assert with_pair({"target": {"model": "mine"}})["target"]["model"] == "mine" and "draft" not in with_pair(
+        {"target": {"model": "mine"}})  # a named target runs without the pair's draft
+    with pytest.raises(ValueError, match="specserve.serving:build_app"):
+        build_app({"pair": "quick"})

@@ -6,7 +6,7 @@ import re
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-ENTRY_POINTS = ("specserve/cli.py", "deployments/application.py")  # the console script, the Serve import_path
+ENTRY_POINTS = ("specserve/cli.py", "specserve/serving.py")  # the console script, the shipped configs' Serve import_path
 
 
 def local_packages() -> set[str]:

@@ -11,7 +11,7 @@ from pydantic import ValidationError
 from app.errors import InvalidRequestError
 from app.openai.protocol import MAX_JSON_DEPTH, ChatCompletionRequest, CompletionRequest, load_json, normalise_body
 from app.params import SamplingParams, SpeculationParams, check_vocabulary, parse_sampling
-from deployments.failover import FailoverMiddleware
+from deployments.failover import BodyLimits, FailoverMiddleware
 
 BASE = {"model": "m", "prompt": "hi"}
 
@@ -127,8 +127,7 @@ def through_middleware(chunks, headers=(), limit=1000, idle=5.0, total=60.0, pat
         async def send(message):
             sent.append(message)
         scope = {"type": "http", "method": "POST", "path": path, "headers": list(headers)}
-        await FailoverMiddleware(inner, max_body_bytes=limit, idle_timeout_s=idle, body_timeout_s=total,
-                                 drain=drain)(scope, receive, send)
+        await FailoverMiddleware(inner, body=BodyLimits(limit, idle, total, drain))(scope, receive, send)
     asyncio.run(go())
     status = sent[0]["status"]
     body = b"".join(m.get("body", b"") for m in sent if m["type"] == "http.response.body")

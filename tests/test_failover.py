@@ -9,7 +9,7 @@ from types import SimpleNamespace
 import pytest
 
 from app.chunks import GUARD_HEADER, RESUME_HEADER, Resume, ResumeState, read_resume
-from deployments.failover import MARKER, FailoverMiddleware, marker
+from deployments.failover import MARKER, FailoverMiddleware, Retries, marker
 
 TOKENS = 10  # per choice
 PER_EVENT = 2
@@ -112,7 +112,7 @@ def serve(app, body: dict, path: str = "/v1/completions", method: str = "POST", 
 
         scope = {"type": "http", "method": method, "path": path, "headers": [(b"content-type", b"application/json"),
                                                                              *headers]}
-        await FailoverMiddleware(app, retries=retries, sleep=sleep)(scope, receive, send)
+        await FailoverMiddleware(app, Retries(retries), sleep=sleep)(scope, receive, send)
     asyncio.run(go())
     return sent, waits
 
