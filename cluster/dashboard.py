@@ -54,7 +54,11 @@ def panel(title: str, unit: str, targets: list[tuple[str, str]], desc: str) -> d
 
 
 def panels() -> list[dict]:
-    serve = '{ray_io_cluster=~"$cluster", application="specserve"}'
+    """Speculation's panels, then serving's."""
+    return speculation_panels() + serving_panels()
+
+
+def speculation_panels() -> list[dict]:
     return [
         panel("Acceptance rate", "percentunit", [
             (f"{rate('spec_decode_num_accepted_tokens')} / {rate('spec_decode_num_draft_tokens')}", "accepted / drafted")],
@@ -82,6 +86,12 @@ def panels() -> list[dict]:
             (rate("fallback_rounds", "reason"), "{{reason}}"),
             (f"{rate('fallback_rounds')} / {rate('rounds')}", "share of rounds")],
             "Rounds run without the draft: unavailable, too slow, or acceptance too low to pay."),
+    ]
+
+
+def serving_panels() -> list[dict]:
+    serve = '{ray_io_cluster=~"$cluster", application="specserve"}'
+    return [
         panel("Healthy replicas per deployment", "short", [
             (f"sum by (deployment)(ray_serve_deployment_replica_healthy{serve})", "{{deployment}}")],
             "Serve replicas; DraftServer and TargetServer autoscale independently."),

@@ -139,7 +139,7 @@ class Ingress:
         body = await self._parse(request, model_cls)
         prepared = await self._blocking(self.front.prepare, body, chat, scope,
                                         request.headers.get(RESUME_HEADER.decode()))
-        resume, starts = prepared.resume, prepared.starts()
+        resume, starts = prepared.resume, prepared.starts
         rid = resume.rid if resume else new_id("chatcmpl" if chat else "cmpl")
         live = [i for i, c in enumerate(starts) if not c.done]
         # a prompt's n choices go to one target replica, which prefills their prompt once (app/engine.py)
@@ -174,7 +174,7 @@ class Ingress:
             sent = await self._blocking(self.front.streamed_texts, prepared)
         response = StreamedResponse(rid, self.front.settings.model_name, chat, prepared.prompt_tokens, deadline,
                                     self.cfg.limits.request_timeout_s, include_usage, continuous, span, tools)
-        choices = StreamedChoices(live, firsts, streams, prepared.views, prepared.starts() if report else None, sent)
+        choices = StreamedChoices(live, firsts, streams, prepared.views, prepared.starts if report else None, sent)
         return StreamingResponse(sse_events(response, choices), media_type="text/event-stream")
 
     async def _next(self, stream, deadline: float):

@@ -31,6 +31,7 @@ import argparse
 import json
 import logging
 import sys
+import tempfile
 import time
 import traceback
 from pathlib import Path
@@ -248,23 +249,13 @@ def check_attention(device: str, smoke: bool) -> dict:
 
 # --- 3b. the production path ---------------------------------------------------------------------
 
-def check_production(device: str, smoke: bool) -> dict:
-    """The served path as a replica runs it: the pair saved and loaded by `load_pair` (the KV budget
-    from the device's real memory, max_model_len enforced), bf16 where the device has it, compiled
-    steps, 32 requests at once (half greedy, half sampled and seeded, varied prompt lengths), dynamo
-    recompiles an error once warm, and on CUDA torch's sync debug mode counting the host-device
-    syncs. Passes when nothing recompiles or fails and a second run gives the same tokens."""
-    import tempfile
-    import warnings
-
+def _saved_and_loaded(device: str, dtype: torch.dtype, shape: tuple[int, int, int]) -> tuple[Engine, float]:
+    """A (layers, hidden, vocab) pair saved, then loaded as a replica loads it; and the seconds that took."""
     from app.config import ModelSettings, SpeculationSettings
     from app.engine import EngineConfig
 
-    dtype = torch.float32 if smoke else dtypes.compute_dtype(device)
-    layers, hidden, vocab, n_tokens, n_req = (2, 64, 512, 12, 8) if smoke else (8, 2048, VOCAB, 48, 32)
-    target = llama(layers, hidden, vocab, 1, dtype, "cpu")
-    draft = blend(target, 1, 2, dtype, "cpu")
-    tok = tokenizer(vocab)
+    target = llama(*shape[:2], shape[2], 1, dtype, "cpu")
+    draft, tok = blend(target, 1, 2, dtype, "cpu"), tokenizer(shape[2])
     with tempfile.TemporaryDirectory() as tmp:
         for name, model in (("target", target), ("draft", draft)):
             model.save_pretrained(f"{tmp}/{name}")
@@ -279,6 +270,20 @@ def check_production(device: str, smoke: bool) -> dict:
                                                  speculation=SpeculationSettings(draft_ahead=False)))
     load_s = time.perf_counter() - t_load
     log.info("production path: loaded and warmed in %.1f s", load_s)
+    return engine, load_s
+
+
+def check_production(device: str, smoke: bool) -> dict:
+    """The served path as a replica runs it: the pair saved and loaded by `load_pair` (the KV budget
+    from the device's real memory, max_model_len enforced), bf16 where the device has it, compiled
+    steps, 32 requests at once (half greedy, half sampled and seeded, varied prompt lengths), dynamo
+    recompiles an error once warm, and on CUDA torch's sync debug mode counting the host-device
+    syncs. Passes when nothing recompiles or fails and a second run gives the same tokens."""
+    import warnings
+
+    dtype = torch.float32 if smoke else dtypes.compute_dtype(device)
+    layers, hidden, vocab, n_tokens, n_req = (2, 64, 512, 12, 8) if smoke else (8, 2048, VOCAB, 48, 32)
+    engine, load_s = _saved_and_loaded(device, dtype, (layers, hidden, vocab))
     g = torch.Generator().manual_seed(11)
     batch = [torch.randint(2, vocab, (int(torch.randint(8, 200, (1,), generator=g)),), generator=g).tolist()
              for _ in range(n_req)]

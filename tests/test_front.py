@@ -132,7 +132,7 @@ def test_a_resumed_stream_continues_each_choice_from_what_it_streamed(front):
     state = json.dumps({"rid": "cmpl-9", "choices": [{"seed": seeds[0], "output_ids": [5, 6], "streamed_chars": 2},
                                                      {"seed": seeds[1], "done": True}]})
     prepared = front.prepare(body, chat=False, resume_header=state)
-    assert prepared.resume.rid == "cmpl-9" and [c.done for c in prepared.starts()] == [False, True]
+    assert prepared.resume.rid == "cmpl-9" and [c.done for c in prepared.starts] == [False, True]
     assert prepared.jobs[0].output_ids == [5, 6] and prepared.jobs[0].seed == seeds[0]
     not_streamed = front.parse(raw(prompt="a", n=2, max_tokens=8), CompletionRequest)
     assert refusal(lambda: front.prepare(not_streamed, chat=False, resume_header=state)).status == 400

@@ -139,10 +139,8 @@ OVER_LIMITS = {
     "app/speculation/steps.py:propose": (3, 68),
     "app/model/varlen.py:varlen_kernel.kernel": (9, 5),  # a Triton kernel: its arguments are its tensors and strides
     "app/model/varlen.py:varlen_reference": (9, 17),
-    "cluster/dashboard.py:panels": (0, 63),
     "cluster/soak.py:run": (11, 33),
     "specserve/bench_http.py:run_sweep": (9, 46),
-    "specserve/gpu_check.py:check_production": (2, 71),
 }
 
 

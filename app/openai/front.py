@@ -9,6 +9,7 @@ The front keeps one tokenizer, whose settings are not safe to share between thre
 methods from one thread.
 """
 
+import functools
 import hashlib
 import hmac
 import uuid
@@ -68,8 +69,10 @@ class Prepared:
     def prompt_tokens(self) -> int:
         return sum(len(ids) for ids in self.prompts)  # each prompt counted once, whatever n
 
+    @functools.cached_property
     def starts(self) -> list[ResumeState]:
-        """Where each choice begins: from what it streamed (a resumed stream), else afresh."""
+        """Where each choice begins: from what it streamed (a resumed stream), else afresh. One list,
+        which a streamed response then keeps up to date for the proxy's failover."""
         return self.resume.choices if self.resume else [ResumeState(seed=job.seed) for job in self.jobs]
 
 
@@ -178,7 +181,7 @@ class OpenAIFront:
     def streamed_texts(self, prepared: Prepared) -> list[str]:
         """The text each choice of a resumed stream had sent (its tool calls go on from it)."""
         return [streamed_text(self.tokenizer, job.params, c.output_ids, c.streamed_chars)
-                for job, c in zip(prepared.jobs, prepared.starts())]
+                for job, c in zip(prepared.jobs, prepared.starts)]
 
     # -- reading what was generated ----------------------------------------------------------------
     def tool_reader(self, body, chat: bool):
