@@ -93,17 +93,18 @@ class _Span:  # app.model.ragged.Span's fields the kernel reads
         self.start, self.length, self.offset = start, length, offset
 
 
-def steps(model_dir: str, compile: str, sequences: int, keys: int, repeats: int) -> dict:
-    """ms per whole ragged forward of a model: `sequences` sequences of `keys`+ cached positions
-    each taking 1 row (a decode step) and 5 rows (a K = 4 verify), for each CPU attention path."""
+def steps(model_dir: str, compile: str, sequences: int, keys: int, repeats: int,
+          dtype: torch.dtype = torch.float32) -> dict:
+    """ms per whole ragged forward of a model in `dtype`: `sequences` sequences of `keys`+ cached
+    positions each taking 1 row (a decode step) and 5 rows (a K = 4 verify), for each CPU attention path."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from app.model.runner import ModelRunner, SeqInput
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).eval()
     out = {}
-    paths = ["per_sequence"] + (["cpu_paged"] if cpu_attention.usable(torch.float32, torch.device("cpu")) else [])
+    paths = ["per_sequence"] + (["cpu_paged"] if cpu_attention.usable(dtype, torch.device("cpu")) else [])
     for path in paths:
         runner = ModelRunner(model, tokenizer, attention=path, compile=compile, pack=True)  # as served
         runner.warm(lambda message: None)
@@ -134,11 +135,12 @@ def main() -> None:
     ap.add_argument("--model", help="a model directory: time its whole forwards (median ms) for each CPU "
                     "attention path instead")
     ap.add_argument("--compile", default="default", help="with --model: off, default (compiled steps)")
+    ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"), help="with --model: its dtype")
     args = ap.parse_args()
     if args.model:
-        results = steps(args.model, args.compile, args.sequences, args.keys, args.repeats)
-        print(f"median ms per forward, {args.sequences} sequences x {args.keys}+ keys, compile {args.compile}, "
-              f"{torch.get_num_threads()} threads")
+        results = steps(args.model, args.compile, args.sequences, args.keys, args.repeats, getattr(torch, args.dtype))
+        print(f"median ms per forward, {args.dtype}, {args.sequences} sequences x {args.keys}+ keys, "
+              f"compile {args.compile}, {torch.get_num_threads()} threads")
         print("| rows | " + " | ".join(next(iter(results.values()))) + " |\n|---|" + "---|" * len(next(iter(results.values()))))
         for name, row in results.items():
             print(f"| {name} | " + " | ".join(f"{v:.2f}" for v in row.values()) + " |")
