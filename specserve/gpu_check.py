@@ -390,8 +390,6 @@ def main(argv: list[str] | None = None) -> int:
             p.error(f"unknown steps: {', '.join(sorted(unknown))}")
         steps = [(name, run) for name, run in steps if name in args.only.split(",")]
     if args.isolate:
-        import tempfile
-
         from specserve.gpu_steps import run_isolated
 
         extra = ["--device", args.device] + (["--smoke"] if args.smoke else [])
