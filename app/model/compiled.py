@@ -68,9 +68,11 @@ def agrees(eager: torch.Tensor, compiled: torch.Tensor, dtype: torch.dtype) -> t
     largest difference. Within a tolerance relative to the largest logit, and where the two argmaxes
     differ, the compiled one must be a near-tie in the eager logits (within that tolerance of the
     best): bf16 graphs fuse and round differently, and on the first GPU run a random 8-layer model's
-    top two logits fell within 0.28 of each other at one of eight positions. A miscompile (a wrong
-    op, a head that scales) is off by far more."""
-    tol = 1e-3 if dtype == torch.float32 else 5e-2
+    top two logits fell within 0.28 of each other at one of eight positions. In bf16 each path is off
+    the float32 logits by its own rounding, so the two may differ by twice that: on the reference
+    target (30 layers, largest logit 31.4) eager and compiled were 1.05 and 0.84 off float32 and
+    1.62 (5.2 %) from each other. A miscompile (a wrong op, a head that scales) is off by far more."""
+    tol = 1e-3 if dtype == torch.float32 else 0.1
     eager, compiled = eager.float(), compiled.float()
     computed = eager > FLOOR  # a draft's restricted head leaves the other tokens at FLOOR (app/speculation/draft_vocab.py)
     bound = tol * eager[computed].abs().max().clamp_min(1.0)
