@@ -47,6 +47,8 @@ def test_the_target_in_bf16_keeps_its_compiled_steps(pair):
 
 
 def test_greedy_speculative_equals_plain_equals_hf_generate(pair):
+    """Every third held-out prompt (11 chat, 5 code; all 48 took 255 s of the suite, HF's own decoding
+    most of it): plain, K = 4 and adaptive K each give HF generate's tokens."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from app.engine import Engine
@@ -55,8 +57,8 @@ def test_greedy_speculative_equals_plain_equals_hf_generate(pair):
     target, draft = pair
     tok = AutoTokenizer.from_pretrained(target)
     model = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32).eval()
-    prompts = [_ids(tok, p) for p in smollm2.load_heldout()]
-    assert len(prompts) == 48
+    prompts = [_ids(tok, p) for p in smollm2.load_heldout()[::3]]
+    assert len(prompts) == 16
     want = []
     with torch.no_grad():
         for ids in prompts:
@@ -71,12 +73,12 @@ def test_greedy_speculative_equals_plain_equals_hf_generate(pair):
     for k in ("off", 4, "auto"):
         params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0,
                                 speculation={"enabled": False} if k == "off" else {"num_tokens": k})
-        got = [(r.token_ids, r.finish_reason) for r in engine.generate(prompts, params)]
+        results = engine.generate(prompts, params)
+        got = [(r.token_ids, r.finish_reason) for r in results]
         mismatched = [i for i, (g, w) in enumerate(zip(got, want)) if g != w]
         assert not mismatched, f"K={k}: prompts {mismatched} differ from HF generate"
         if k == 4:
-            drafted = sum(r.speculation["drafted_tokens"] for r in engine.generate(prompts[:4], params))
-            assert drafted > 0  # the draft really ran
+            assert sum(r.speculation["drafted_tokens"] for r in results) > 0  # the draft really ran
 
 
 def test_sampled_output_has_the_targets_distribution_through_http(pair):
