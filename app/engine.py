@@ -20,7 +20,7 @@ from app.speculation.controller import CostEstimator, KController, KControllerCo
 from app.speculation.gate import GoodputGate
 from app.speculation.driver import DraftPolicy, RoundContext, VerifyFn, run_rounds
 from app.errors import InvalidRequestError
-from app.scheduler import ForwardQueue, in_thread
+from app.scheduler import BatchBudget, ForwardQueue, in_thread
 from app.grammar import Grammars
 from app.model.kv import PREFIX_BLOCK
 from app.model.loading import load_pair
@@ -29,7 +29,8 @@ from app.chunks import Chunk
 from app.job import GenerationJob, Limits, admit
 from app.request import RequestState
 from app.model.runner import ModelRunner
-from app.speculation.steps import family, propose, verify, verify_tokens
+from app.speculation.steps import family, verify, verify_tokens
+from app.speculation.drafting import propose
 from app.telemetry import NoObserver, RoundObserver
 
 MAX_BATCH_TOKENS = 2048  # most positions one target forward computes in process (the KV budget leaves room for it)
@@ -155,9 +156,9 @@ class Engine:
             remote = RemoteTarget.of(target)
             if isinstance(draft, ModelRunner):
                 check_vocabularies(target.tokenizer, draft.tokenizer)
+            budget = BatchBudget(None, settings.max_batch_tokens, verify_tokens)
             target = ForwardQueue(in_thread(functools.partial(verify, target), target.thread), target.release,
-                                  name="verify.batch", max_tokens=settings.max_batch_tokens, cost=verify_tokens,
-                                  forget=target.forget)
+                                  name="verify.batch", budget=budget, forget=target.forget)
         if isinstance(draft, ModelRunner):
             draft = ForwardQueue(in_thread(functools.partial(propose, draft, top_n=settings.draft_top_n), draft.thread),
                                  draft.release, name="propose.batch", forget=draft.forget)
@@ -203,7 +204,7 @@ class Engine:
         else:
             ids = list(prompt)
         job = self.admit(GenerationJob.new(ids, params, request_id or uuid.uuid4().hex))
-        return job.state(self.tokenizer, self.max_context, self.eos_ids)
+        return RequestState(job, self.tokenizer, self.max_context, self.eos_ids)
 
     def admit(self, job: GenerationJob) -> GenerationJob:
         """The job checked against this engine's models (app.job.admit)."""
@@ -246,7 +247,7 @@ class Engine:
         """
         # a bad job fails here, alone; off the loop that runs every round (a grammar compiles in it)
         job = await asyncio.to_thread(self.admit, job)
-        state = job.state(self.tokenizer, self.max_context, self.eos_ids)
+        state = RequestState(job, self.tokenizer, self.max_context, self.eos_ids)
         chunks: asyncio.Queue = asyncio.Queue()
         producer = asyncio.ensure_future(self._produce(job, state, observer, trace_parent, chunks))
         try:

@@ -17,7 +17,6 @@ from app.chunks import Chunk, ResumeState, advance
 from app.errors import ContextLengthError, InvalidRequestError
 from app.grammar import grammar_of
 from app.params import MAX_SEED, MIN_SEED, SamplingParams, check_vocabulary, parse_sampling
-from app.request import RequestState
 
 
 @dataclass(frozen=True)
@@ -66,12 +65,6 @@ class GenerationJob:
         """Continue from where a stream stood (a failed-over ingress's report): its draws, what it sent."""
         self.seed, self.output_ids, self.streamed_chars = state.seed, list(state.output_ids), state.streamed_chars
         self.controller = tuple(state.controller) if state.controller is not None else None
-
-    def state(self, tokenizer, max_context: int, eos_ids: frozenset[int] | None = None) -> RequestState:
-        """The request's state on the replica that runs it now."""
-        return RequestState(self.request_id, self.prompt_ids, self.params, tokenizer,
-                            max_context, seed=self.seed, output_ids=self.output_ids,
-                            streamed_chars=self.streamed_chars, eos_ids=eos_ids)
 
 
 def admit(job: GenerationJob, limits: Limits) -> GenerationJob:

@@ -4,8 +4,9 @@ import functools
 from dataclasses import dataclass, field
 
 from app.speculation.logits import LogitRules
-from app.params import SamplingParams
+from app.job import GenerationJob
 from app.model.runner import tokenizer_eos_ids
+from app.params import SamplingParams
 
 REPLACEMENT = "\ufffd"  # what a decoder shows for a UTF-8 sequence cut mid-way
 DETOKENIZE_CONTEXT = 5  # tokens decoded again before new ones: how a piece reads can depend on those before it
@@ -25,7 +26,7 @@ def special_ids(tokenizer) -> frozenset[int]:
 def streamed_text(tokenizer, params: SamplingParams, output_ids: list[int], streamed_chars: int) -> str:
     """The text a stream of `output_ids` had sent when it had sent `streamed_chars` characters, decoded
     as the stream decoded it: a stream resumed on another replica rebuilds what its client has."""
-    state = RequestState("", [], params, tokenizer, len(output_ids) + 1, output_ids=output_ids)
+    state = RequestState(GenerationJob("", [], params, 0, list(output_ids)), tokenizer, len(output_ids) + 1)
     return state.text[:streamed_chars]
 
 
@@ -111,22 +112,20 @@ class SpeculationStats:
 class RequestState:
     """Token ids, sampling and stop rules of one request; `append` applies a round's tokens."""
 
-    def __init__(self, request_id: str, prompt_ids: list[int], params: SamplingParams, tokenizer, max_context: int,
-                 *, seed: int | None = None, output_ids: list[int] | None = None, streamed_chars: int = 0,
+    def __init__(self, job: GenerationJob, tokenizer, max_context: int,
                  eos_ids: set[int] | frozenset[int] | None = None):
-        """Built from an admitted job (app/job.py, which checks the prompt against the context).
-        seed: the request's draw seed (the job's; params.seed when not given); output_ids and
-        streamed_chars: what an earlier replica already streamed, when a request resumes after
-        failover; eos_ids: the model's end-of-sequence ids (app.model.runner.eos_ids: its generation
-        config's and its tokenizer's), by default the tokenizer's alone."""
-        self.request_id = request_id
-        self.prompt_ids = list(prompt_ids)
-        self.params = params
-        # every request has a seed so its randomness is addressable: the job chose it (GenerationJob.new)
-        self.seed = seed if seed is not None else params.seed if params.seed is not None else 0
+        """Built from an admitted job (app/job.py, which checks the prompt against the context): its id,
+        prompt, parameters, draw seed, and what an earlier replica already streamed (output_ids,
+        streamed_chars) when the request resumes after failover. eos_ids: the model's end-of-sequence
+        ids (app.model.runner.eos_ids: its generation config's and its tokenizer's), by default the
+        tokenizer's alone."""
+        self.request_id = job.request_id
+        self.prompt_ids = list(job.prompt_ids)
+        self.params = params = job.params
+        self.seed = job.seed  # every request has one, so its randomness is addressable (GenerationJob.new)
         self.tokenizer = tokenizer
         self.max_context = max_context
-        self.output_ids: list[int] = list(output_ids or [])
+        self.output_ids: list[int] = list(job.output_ids)
         # the special tokens the text leaves out, when some are kept (a tool-call format's markers)
         kept = params.keep_special_token_ids
         self._hidden = special_ids(tokenizer).difference(kept) if params.skip_special_tokens and kept else None
@@ -136,7 +135,7 @@ class RequestState:
         self._read = self._resume_point()
         self.text = self._decode(self.output_ids[: self._read])
         self._prefix = max(0, self._read - DETOKENIZE_CONTEXT)
-        self._streamed = streamed_chars
+        self._streamed = job.streamed_chars
         self._min_text: int | None = None  # _min_tokens_text, once known
         self.stats = SpeculationStats()
         self.eos_ids = frozenset(eos_ids) if eos_ids is not None else tokenizer_eos_ids(tokenizer)

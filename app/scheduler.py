@@ -30,6 +30,7 @@ import functools
 import logging
 import time
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 from typing import Generic, TypeVar
 
 from app import telemetry
@@ -93,6 +94,15 @@ class LoadMeter:
         return out
 
 
+@dataclass(frozen=True)
+class BatchBudget:
+    """What one fused forward may take: at most `max_items` items and `max_tokens` positions, `cost(item)`
+    each (None: no bound). Rounds go before prompt chunks within it."""
+    max_items: int | None = None
+    max_tokens: int | None = None
+    cost: Callable = lambda item: 1
+
+
 class ForwardQueue(Generic[Item, Result]):
     """Serialises a model's forwards and fuses what waits; frees released sequences' caches safely.
 
@@ -110,9 +120,8 @@ class ForwardQueue(Generic[Item, Result]):
     """
 
     def __init__(self, forward: ForwardFn, release: Callable[[str], Awaitable[None] | None], *, name: str,
-                 max_items: int | None = None, extra_stats: dict | None = None,
+                 budget: BatchBudget = BatchBudget(), extra_stats: dict | None = None,
                  on_batch: Callable[[int, int, float], None] = lambda size, tokens, seconds: None,
-                 max_tokens: int | None = None, cost: Callable[[Item], int] = lambda item: 1,
                  forget: Callable[[str], Awaitable[None] | None] | None = None):
         self.forward, self._release, self.name = forward, release, name
         self._forget = forget
@@ -123,11 +132,10 @@ class ForwardQueue(Generic[Item, Result]):
         self.served = 0  # items answered
         self.batch_sizes: collections.deque[int] = collections.deque(maxlen=1024)
         self.load = LoadMeter()  # the autoscaler's view of this model's work
-        self._cost = cost
+        self._cost = budget.cost
         self._released: collections.OrderedDict[str, None] = collections.OrderedDict()
-        # max_tokens: a forward's budget of positions (cost(item) each); rounds go before prompt chunks
-        self._batcher = MicroBatcher(lambda items, _: self._run(items), max_items, serial=True,
-                                     max_cost=max_tokens, cost=cost)
+        self._batcher = MicroBatcher(lambda items, _: self._run(items), budget.max_items, serial=True,
+                                     max_cost=budget.max_tokens, cost=budget.cost)
 
     async def submit(self, item: Item) -> Result:
         t0 = self.load.clock()

@@ -263,17 +263,29 @@ def soak_config(target: str, draft: str, port: int, tp: int) -> dict:
     return config
 
 
-def run(target: str, draft: str, seconds: float, clients: int = 4, tp: int = 1, seed: int = 0,
-        every: tuple[float, float] = (20.0, 40.0), max_tokens: int = 32, port: int = 8011,
-        timeout_s: float = 120.0, in_turn: bool = False) -> dict:
-    """Start a local cluster, deploy two replicas of everything, soak for `seconds`; the report.
-    `in_turn`: kill each layer in turn rather than a random one."""
+@dataclass(frozen=True)
+class Soak:
+    """One soak: `seconds` of `clients` clients sending the mix (answers of up to `max_tokens` tokens),
+    a replica killed every `every` seconds (`in_turn`: of each layer in turn, else of a random one),
+    targets of `tp` tensor-parallel ranks; `seed` draws the kills and the load."""
+    seconds: float
+    clients: int = 4
+    tp: int = 1
+    seed: int = 0
+    every: tuple[float, float] = (20.0, 40.0)
+    max_tokens: int = 32
+    in_turn: bool = False
+
+
+def run(target: str, draft: str, soak: Soak, port: int = 8011, timeout_s: float = 120.0) -> dict:
+    """Start a local cluster, deploy two replicas of everything, soak as `soak` says; the report."""
     from cluster.local import LocalCluster, deploy
 
-    specs = mix(max_tokens)
-    layers = list(LAYERS) + (["rank"] if tp > 1 else [])
+    seconds, clients, seed, every = soak.seconds, soak.clients, soak.seed, soak.every
+    specs = mix(soak.max_tokens)
+    layers = list(LAYERS) + (["rank"] if soak.tp > 1 else [])
     with LocalCluster():
-        deploy(soak_config(target, draft, port, tp), timeout_s=600)
+        deploy(soak_config(target, draft, port, soak.tp), timeout_s=600)
         url = f"http://127.0.0.1:{port}"
         print(f"app up at {url}: references for {sum(s.kind != 'unseeded' for s in specs)} requests...", flush=True)
 
@@ -285,7 +297,8 @@ def run(target: str, draft: str, seconds: float, clients: int = 4, tp: int = 1, 
         print(f"soaking for {seconds:.0f}s with {clients} clients; kills every {every[0]:.0f}-{every[1]:.0f}s of "
               f"{', '.join(layers)}", flush=True)
         until, kills, stop = time.monotonic() + seconds, [], threading.Event()
-        killer = threading.Thread(target=chaos, args=(layers, until, every, seed, kills, stop, in_turn), daemon=True)
+        killer = threading.Thread(target=chaos, args=(layers, until, every, seed, kills, stop, soak.in_turn),
+                                  daemon=True)
         killer.start()
         try:
             outcomes = asyncio.run(load(url, specs, clients, until, seed, timeout_s))
@@ -293,7 +306,7 @@ def run(target: str, draft: str, seconds: float, clients: int = 4, tp: int = 1, 
             stop.set()
             killer.join(timeout=60)
     table = tally(outcomes, kills, refs)
-    return {"seconds": seconds, "clients": clients, "tp": tp, "seed": seed,
+    return {"seconds": seconds, "clients": clients, "tp": soak.tp, "seed": seed,
             "kills": [(round(t - kills[0][0], 1) if kills else 0, l, n) for t, l, n in kills],
             "references": len(refs), "table": table}
 
@@ -360,7 +373,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0 if ok else 1
     reports = []
     for seed in args.seed:
-        report = run(target, draft, args.minutes * 60, args.clients, args.tp, seed, max_tokens=args.max_tokens)
+        report = run(target, draft, Soak(args.minutes * 60, args.clients, args.tp, seed, max_tokens=args.max_tokens))
         print(f"seed {seed}:\n{markdown(report['table'])}")
         for layer, row in report["table"].items():
             if row["errors"] or row["cuts"] or row["drops"] or row["differing"]:

@@ -19,14 +19,15 @@ from app import telemetry
 from app.speculation.controller import VerifyCurve
 from app.speculation.driver import DraftPolicy
 from app.engine import Engine, EngineSettings, RemoteTarget
-from app.scheduler import ForwardQueue, in_thread
+from app.scheduler import BatchBudget, ForwardQueue, in_thread
 from app.model.loading import load_runner
 from app.model.memory import DRAFT_PREFILL_TOKENS
 from app.chunks import Chunk
 from app.job import GenerationJob
 from app.model.runner import eos_ids, load_generation_config
 from app.model.sources import local_model, log_into
-from app.speculation.steps import Proposal, propose, verify, verify_tokens
+from app.speculation.steps import Proposal, verify, verify_tokens
+from app.speculation.drafting import propose
 from deployments.affinity import Calls
 from deployments.autoscaling import CallerWaits, Observers, RoundLoad
 from deployments.args import (
@@ -83,11 +84,11 @@ class _Server:
         self.metrics = ServerMetrics()
         telemetry.configure_tracing(type(self).__name__)
 
-    def _queue(self, forward, release, batch: BatchConfig, name: str, forget, **budget) -> ForwardQueue:
+    def _queue(self, forward, release, budget: BatchBudget, name: str, forget) -> ForwardQueue:
         def on_batch(size: int, tokens: int, seconds: float) -> None:
             self.metrics.batch(size, self.cache)
-        return ForwardQueue(forward, release, name=name, max_items=batch.max_batch_size,
-                            extra_stats={"replica": self.replica_id}, on_batch=on_batch, forget=forget, **budget)
+        return ForwardQueue(forward, release, name=name, budget=budget, extra_stats={"replica": self.replica_id},
+                            on_batch=on_batch, forget=forget)
 
     @property
     def cache(self):
@@ -128,8 +129,8 @@ class DraftServer(_Server):
         self.runner = load_runner(path, cfg, max(batch.max_batch_size, DRAFT_PREFILL_TOKENS),
                                   logit_rows=batch.max_batch_size, batch=batch.max_batch_size)
         self.queue = self._queue(in_thread(functools.partial(propose, self.runner, top_n=top_n), self.runner.thread),
-                                 self._release,
-                                 batch, "DraftServer.propose", self.runner.forget)
+                                 self._release, BatchBudget(batch.max_batch_size), "DraftServer.propose",
+                                 self.runner.forget)
         self.callers = CallerWaits()
 
     async def propose_many(self, calls: Calls) -> list[Proposal | BaseException]:
@@ -177,8 +178,8 @@ class TargetServer(_Server):
             eos = eos_ids(load_generation_config(path, cfg.trust_remote_code), tokenizer)
             forward, release, forget = self.ranks.verify, self._release_ranks, self.ranks.forget
             kv_capacity = self.ranks.capacity_tokens
-        self.queue = self._queue(forward, release, batch, "TargetServer.verify", forget,
-                                 max_tokens=batch.max_batch_tokens, cost=verify_tokens)
+        budget = BatchBudget(batch.max_batch_size, batch.max_batch_tokens, verify_tokens)
+        self.queue = self._queue(forward, release, budget, "TargetServer.verify", forget)
         self.round_metrics = RoundMetrics()
         self.round_load = RoundLoad()  # the autoscaler's view of this replica's rounds
         self.max_batch_tokens = batch.max_batch_tokens

@@ -231,15 +231,24 @@ async def served_model(client: httpx.AsyncClient) -> str:
     return response.json()["data"][0]["id"]
 
 
-async def run_sweep(url: str, prompts: list[str], names: list[str], modes: list[str], levels: list[int],
-                    max_tokens: int, progress: bool = True, timeout_s: float = 300.0,
-                    peers: list[str] = ()) -> dict:
-    """Every concurrency level, every mode at each (target first, peers last); returns the report.
+@dataclass(frozen=True)
+class Sweep:
+    """What a sweep sends: `prompts` (named `names` in mismatches), in each of `modes` at each concurrency
+    of `levels`, answers of `max_tokens` tokens. `peers`: base URLs of other OpenAI servers, sent the
+    same prompts as plain completions (their output is compared with ours for information: another
+    engine may break float near-ties otherwise)."""
+    prompts: list[str]
+    names: list[str]
+    modes: list[str]
+    levels: list[int]
+    max_tokens: int
+    peers: list[str] = field(default_factory=list)
 
-    peers: base URLs of other OpenAI servers, sent the same prompts as plain completions (their
-    output is compared with ours for information: another engine may break float near-ties otherwise).
-    """
-    modes = ["target"] + [m for m in modes if m != "target"]  # the baseline runs first at every level
+
+async def run_sweep(url: str, sweep: Sweep, progress: bool = True, timeout_s: float = 300.0) -> dict:
+    """Every concurrency level, every mode at each (target first, peers last); returns the report."""
+    prompts, names, levels, max_tokens, peers = sweep.prompts, sweep.names, sweep.levels, sweep.max_tokens, sweep.peers
+    modes = ["target"] + [m for m in sweep.modes if m != "target"]  # the baseline runs first at every level
     for m in modes:
         speculation_of(m)
     bases = {m: url for m in modes} | {PEER + p.split("://")[-1].rstrip("/"): p.rstrip("/") for p in peers}
@@ -381,8 +390,8 @@ def url_cli(args) -> int:
         return 2
     prompts, names = load_prompts(args.prompts, args.num_prompts)
     try:
-        report = asyncio.run(run_sweep(args.url.rstrip("/"), prompts, names, modes, levels, args.max_tokens,
-                                       not args.no_progress, args.request_timeout, args.peer))
+        sweep = Sweep(prompts, names, modes, levels, args.max_tokens, list(args.peer or []))
+        report = asyncio.run(run_sweep(args.url.rstrip("/"), sweep, not args.no_progress, args.request_timeout))
     except (ExactnessError, *FAILURES) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1

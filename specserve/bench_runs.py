@@ -16,7 +16,8 @@ from transformers.generation.streamers import BaseStreamer
 from app.engine import Engine
 from app.model.hf_compat import with_cache
 from app.params import SamplingParams
-from app.speculation.steps import Proposal, ProposeItem, VerifyItem, propose, verify
+from app.speculation.steps import Proposal, ProposeItem, VerifyItem, verify
+from app.speculation.drafting import propose
 from app.model.syncs import SyncCounter
 from specserve.figures import Timed
 

@@ -45,7 +45,7 @@ from specserve.bench_runs import K_MATCHED, MODES, Mode, forward_ms, run_engine,
 from app.speculation.driver import DraftPolicy
 from app.engine import Engine, EngineSettings
 from app.params import SamplingParams
-from app.model.runner import ModelRunner, SeqInput
+from app.model.runner import Execution, ModelRunner, SeqInput
 from app.speculation.sampling import process_logits, rejection_sample
 
 log = logging.getLogger("specserve.gpu_check")  # not __name__: run as __main__
@@ -192,7 +192,7 @@ def check_served_path(device: str, smoke: bool) -> dict:
     report = {"batch": len(batch), "modes": {}}
     for mode in ["off", "default"] + (["reduce-overhead"] if device.startswith("cuda") else []):
         log.info("served path: compile=%s", mode)
-        runners = [ModelRunner(m, tok, compile=mode, compile_max_tokens=64) for m in (target, draft)]
+        runners = [ModelRunner(m, tok, Execution(compile=mode, compile_max_tokens=64)) for m in (target, draft)]
         for r in runners:
             r.on_thread(r.warm)  # on the thread its forwards run on: CUDA graphs are recorded per thread
         engine = Engine(*runners, EngineSettings(policy=DraftPolicy(ahead=True)))
@@ -230,7 +230,7 @@ def check_attention(device: str, smoke: bool) -> dict:
     report = {"dtype": str(dtype).removeprefix("torch."), "paths": {}}
     for path in ("per_sequence", "varlen"):
         log.info("attention: %s", path)
-        runner = ModelRunner(target, tok, attention=path)
+        runner = ModelRunner(target, tok, Execution(attention=path))
         out = Engine(runner).generate([list(ids) for ids in batch], params)
         entry = {"identical": 0, "near_ties": 0, "failed": 0}
         for ids, r, want in zip(batch, out, ref):

@@ -99,14 +99,14 @@ def steps(model_dir: str, compile: str, sequences: int, keys: int, repeats: int,
     positions each taking 1 row (a decode step) and 5 rows (a K = 4 verify), for each CPU attention path."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from app.model.runner import ModelRunner, SeqInput
+    from app.model.runner import Execution, ModelRunner, SeqInput
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).eval()
     out = {}
     paths = ["per_sequence"] + (["cpu_paged"] if cpu_attention.usable(dtype, torch.device("cpu")) else [])
     for path in paths:
-        runner = ModelRunner(model, tokenizer, attention=path, compile=compile, pack=True)  # as served
+        runner = ModelRunner(model, tokenizer, Execution(attention=path, compile=compile, pack=True))  # as served
         runner.warm(lambda message: None)
         gen = torch.Generator().manual_seed(0)
         contexts = [torch.randint(3, runner.vocab_size, (keys + 7 * i,), generator=gen).tolist()

@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 import yaml
 
-from app.model.memory import CPU_DEFAULT_BYTES, DRAFT_PREFILL_TOKENS, kv_bytes_per_token, working_bytes
+from app.model.memory import CPU_DEFAULT_BYTES, DRAFT_PREFILL_TOKENS, ForwardSize, kv_bytes_per_token, working_bytes
 
 MiB, GiB = 1 << 20, 1 << 30
 CONFIGS = Path(__file__).resolve().parents[1] / "cluster" / "model_configs"
@@ -108,8 +108,8 @@ def plan_model(name: str, settings, config: dict, gpu: str | None, forward_token
                  else settings.attention if settings.attention != "auto"
                  else "cpu_paged" if gpu is None and dtype in (torch.float32, torch.bfloat16) else "per_sequence")
     max_len = settings.max_model_len or positions
-    work = working_bytes(cfg, dtype, forward_tokens, cfg.vocab_size, context=max_len, attention=attention,
-                         logit_rows=logit_rows, batch=batch, tp_size=tp, device_type="cuda" if gpu else "cpu")
+    work = working_bytes(cfg, dtype, cfg.vocab_size, ForwardSize(forward_tokens, max_len, logit_rows, batch),
+                         attention=attention, tp_size=tp, device_type="cuda" if gpu else "cpu")
     per_token = kv_bytes_per_token(cfg, dtype, tp)
     if gpu is None:  # a CPU replica: the byte cap alone (app/model/memory.py)
         total, kv = 0, settings.max_cache_bytes or CPU_DEFAULT_BYTES

@@ -12,6 +12,7 @@ from app.errors import InvalidRequestError
 from app.openai.chat_template import TemplateControls, chat_prompt_ids
 from app.openai.protocol import ChatCompletionRequest, default_max_tokens
 from app.params import SamplingParams
+from app.job import GenerationJob
 from app.request import DETOKENIZE_CONTEXT, RequestState
 from app.model.runner import ModelRunner, eos_ids
 from tests.conftest import blend, make_tokenizer
@@ -61,7 +62,7 @@ class CountingTokenizer:
 
 def state(tok: CountingTokenizer, max_tokens: int = 1000, stop: list[str] | None = None) -> RequestState:
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, stop=stop or [])
-    return RequestState("r", tok.ids("x"), params, tok, max_context=4096)
+    return RequestState(GenerationJob("r", tok.ids("x"), params, 0), tok, 4096)
 
 
 def test_streamed_text_is_never_taken_back():

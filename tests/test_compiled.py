@@ -9,7 +9,7 @@ from torch._dynamo.utils import counters
 
 from app.model import compiled
 from app.engine import Engine
-from app.model.runner import ModelRunner, SeqInput
+from app.model.runner import Execution, ModelRunner, SeqInput
 from conftest import blend, make_model
 from test_engine import PROMPTS, greedy, reference
 
@@ -22,7 +22,7 @@ def pair(target_model):
 
 
 def warm_runners(pair, tokenizer, mode: str) -> list[ModelRunner]:
-    runners = [ModelRunner(m, tokenizer, compile=mode, compile_max_tokens=MAX) for m in pair]
+    runners = [ModelRunner(m, tokenizer, Execution(compile=mode, compile_max_tokens=MAX)) for m in pair]
     for r in runners:
         r.warm()
     return runners
@@ -71,7 +71,7 @@ def test_a_head_that_is_more_than_a_linear_stays_eager(tokenizer, caplog):
         return out
 
     model.forward = scaled
-    runner = ModelRunner(model, tokenizer, compile="default", compile_max_tokens=1)
+    runner = ModelRunner(model, tokenizer, Execution(compile="default", compile_max_tokens=1))
     with caplog.at_level(logging.WARNING):
         runner.warm()
     assert runner.steps is None
@@ -81,7 +81,7 @@ def test_a_head_that_is_more_than_a_linear_stays_eager(tokenizer, caplog):
 def test_no_compiler_means_eager_with_a_warning(tokenizer, monkeypatch, caplog):
     monkeypatch.setattr(compiled.shutil, "which", lambda name: None)
     with caplog.at_level(logging.WARNING):
-        runner = ModelRunner(make_model(seed=3, layers=1), tokenizer, compile="default")
+        runner = ModelRunner(make_model(seed=3, layers=1), tokenizer, Execution(compile="default"))
     assert runner.steps is None
     assert "no C++ compiler" in caplog.text
     assert runner.forward([SeqInput("a", [5, 6, 7], 1)])[0].shape == (1, runner.vocab_size)
@@ -90,8 +90,8 @@ def test_no_compiler_means_eager_with_a_warning(tokenizer, monkeypatch, caplog):
 def test_the_gpu_shape_compiled_steps_over_flex_attention_gives_the_same_tokens(pair, tokenizer):
     """What a GPU runs: compiled steps, attention one FlexAttention call per layer over the whole pool
     (here FlexAttention's reference code on the CPU, over small pools)."""
-    runners = [ModelRunner(m, tokenizer, compile="default", compile_max_tokens=MAX, attention="flex",
-                           max_cache_bytes=4 << 20) for m in pair]
+    flex = Execution(attention="flex", compile="default", compile_max_tokens=MAX)
+    runners = [ModelRunner(m, tokenizer, flex, max_cache_bytes=4 << 20) for m in pair]
     for r in runners:
         r.warm()
     assert all(r.steps is not None and r.flex for r in runners)
@@ -103,7 +103,7 @@ def test_the_gpu_shape_compiled_steps_over_flex_attention_gives_the_same_tokens(
 def test_the_gpu_compile_is_one_graph_past_a_single_token_and_never_recompiles(pair, tokenizer):
     """On a GPU the token count is symbolic (one graph for buckets 2..MAX, dynamo specialising 1):
     the eager tokens, at most two graphs per model, and no recompile on mixed batches once warm."""
-    runners = [ModelRunner(m, tokenizer, compile="default", compile_max_tokens=MAX) for m in pair]
+    runners = [ModelRunner(m, tokenizer, Execution(compile="default", compile_max_tokens=MAX)) for m in pair]
     torch._dynamo.reset()  # no graph of an earlier test's runner over these shapes to reuse
     before = counters["stats"]["unique_graphs"]
     for r in runners:

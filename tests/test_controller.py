@@ -431,6 +431,7 @@ def test_a_proposal_after_plain_steps_does_not_price_the_draft(tokenizer):
 
     from app.speculation.driver import RoundContext, run_rounds
     from app.params import SamplingParams
+    from app.job import GenerationJob
     from app.request import RequestState
     from app.speculation.steps import Proposal, Verdict
 
@@ -457,7 +458,7 @@ def test_a_proposal_after_plain_steps_does_not_price_the_draft(tokenizer):
         return Verdict([5] * (n + 1), n, n, {"forward_s": 0.002})
 
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
-    state = RequestState("r", [3, 4], params, tokenizer, max_context=512)
+    state = RequestState(GenerationJob("r", [3, 4], params, 0), tokenizer, 512)
     costs = Spy()
 
     async def go():

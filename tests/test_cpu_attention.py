@@ -106,7 +106,7 @@ def test_loading_the_kernel_leaves_the_process_floating_point_mode_alone():
 
 def test_without_a_compiler_attention_stays_per_sequence(monkeypatch, tmp_path, target_model, tokenizer):
     """No compiler and nothing cached: auto is one SDPA call per sequence; asking for the kernel is an error."""
-    from app.model.runner import ModelRunner
+    from app.model.runner import Execution, ModelRunner
 
     monkeypatch.setenv("SPECSERVE_KERNEL_CACHE", str(tmp_path))
     monkeypatch.setattr(native.shutil, "which", lambda name: None)
@@ -115,7 +115,7 @@ def test_without_a_compiler_attention_stays_per_sequence(monkeypatch, tmp_path, 
     assert native.build(cpu_attention.SOURCE, cpu_attention._FLAGS) is None
     assert ModelRunner(target_model, tokenizer).attention == "per_sequence"
     with pytest.raises(ValueError, match="cpu_paged"):
-        ModelRunner(target_model, tokenizer, attention="cpu_paged")
+        ModelRunner(target_model, tokenizer, Execution(attention="cpu_paged"))
 
 
 def test_float32_and_bfloat16_pools_on_a_cpu_take_the_kernel():
@@ -131,10 +131,11 @@ def test_a_bfloat16_models_steps_through_the_kernel_match_its_per_sequence_atten
     import copy
 
     from app.model.batches import SeqInput
-    from app.model.runner import ModelRunner
+    from app.model.runner import Execution, ModelRunner
 
     model = copy.deepcopy(target_model).to(torch.bfloat16)
-    runners = {a: ModelRunner(copy.deepcopy(model), tokenizer, attention=a) for a in ("cpu_paged", "per_sequence")}
+    runners = {a: ModelRunner(copy.deepcopy(model), tokenizer, Execution(attention=a))
+               for a in ("cpu_paged", "per_sequence")}
     assert runners["cpu_paged"].attention == "cpu_paged"
     prompts = [list(range(2, 40)), list(range(5, 22))]
     logits = {}

@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from app.model import cpu_linear, native
-from app.model.runner import ModelRunner, SeqInput
+from app.model.runner import Execution, ModelRunner, SeqInput
 
 pytestmark = pytest.mark.skipif(not cpu_linear.kernel_available(), reason="no C++ compiler to build the kernel")
 
@@ -78,8 +78,8 @@ def test_pack_linears_swaps_every_linear_and_keeps_the_logits(target_model, toke
 def test_compiled_and_eager_steps_run_the_same_linears_and_give_the_same_tokens(target_model, tokenizer):
     """The op runs inside the compiled graph (the runner packs before it compiles): the compiled and the
     eager forward agree to rounding and pick the same tokens."""
-    runners = {mode: ModelRunner(copy.deepcopy(target_model), tokenizer, pack=True, compile=mode,
-                                 compile_max_tokens=8) for mode in ("off", "default")}
+    runners = {mode: ModelRunner(copy.deepcopy(target_model), tokenizer,
+                                 Execution(compile=mode, compile_max_tokens=8, pack=True)) for mode in ("off", "default")}
     compiled = runners["default"]
     if compiled.steps is None:
         pytest.skip("compiled steps are unavailable here")
@@ -129,7 +129,7 @@ def test_a_draft_on_bfloat16_packed_weights_proposes_and_the_output_stays_the_ta
     from app.engine import Engine
     from app.params import SamplingParams
 
-    draft = ModelRunner(copy.deepcopy(target_model), tokenizer, pack=True, packed_dtype=torch.bfloat16)
+    draft = ModelRunner(copy.deepcopy(target_model), tokenizer, Execution(pack=True, packed_dtype=torch.bfloat16))
     packed = [m for m in draft.model.modules() if isinstance(m, cpu_linear.PackedLinear)]
     assert packed and all(m.packed.dtype == torch.bfloat16 for m in packed)
     engine = Engine(ModelRunner(target_model, tokenizer), draft)

@@ -17,7 +17,7 @@ from app.engine import Engine, EngineSettings
 from app.params import SamplingParams
 from app.model.runner import ModelRunner
 from app.scheduler import ForwardQueue, in_thread
-from app.speculation.steps import propose
+from app.speculation.drafting import propose
 from conftest import blend
 from deployments.affinity import Homes
 from deployments.draft_client import DraftClient

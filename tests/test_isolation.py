@@ -13,7 +13,8 @@ from app.errors import ReplicaFault
 from app.scheduler import ForwardQueue, in_thread
 from app.params import SamplingParams
 from app.model.runner import ModelRunner
-from app.speculation.steps import Proposal, VerifyItem, propose, verify, ProposeItem
+from app.speculation.steps import Proposal, VerifyItem, verify, ProposeItem
+from app.speculation.drafting import propose
 from conftest import blend
 from deployments.tp import RankFailure, group_result
 

@@ -21,7 +21,7 @@ def test_a_16k_prompt_stays_within_the_memory_model(tmp_path):
         from transformers import LlamaConfig, LlamaForCausalLM
         from app.speculation.driver import DraftPolicy
         from app.engine import Engine, EngineSettings
-        from app.model.memory import working_bytes
+        from app.model.memory import ForwardSize, working_bytes
         from app.params import SamplingParams
         from app.model.runner import ModelRunner
 
@@ -56,7 +56,7 @@ def test_a_16k_prompt_stays_within_the_memory_model(tmp_path):
         for r in (target, draft):
             kv = r.kv_block_bytes() * -(-({PROMPT_TOKENS} + 16) // 16)
             kv_bytes += kv
-            work = working_bytes(r.model.config, r.model.dtype, 512 + 8, r.vocab_size, context={PROMPT_TOKENS} + 16,
+            work = working_bytes(r.model.config, r.model.dtype, r.vocab_size, ForwardSize(512 + 8, {PROMPT_TOKENS} + 16),
                                  attention=r.attention_path, device_type="cpu")  # a chunk + K
             model_bytes += kv + work
         print(json.dumps({{"peak": max(peak[0], after) - before, "kept": after - before, "model": model_bytes,

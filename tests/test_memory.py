@@ -5,12 +5,13 @@ import torch
 
 from app.model.memory import (
     CPU_DEFAULT_BYTES,
+    ForwardSize,
     InsufficientMemoryError,
     kv_budget,
     size_kv_budget,
     working_bytes,
 )
-from app.model.runner import ModelRunner, SeqInput
+from app.model.runner import ModelRunner
 
 GiB = 2**30
 CUDA = torch.device("cuda", 0)
@@ -57,7 +58,7 @@ def real_config(name: str):
 
 def test_working_buffers_grow_with_the_forward_and_the_vocabulary():
     cfg = real_config("meta-llama/Llama-3.1-8B-Instruct")
-    small, big = (working_bytes(cfg, torch.bfloat16, n, 128256, context=8192) for n in (256, 2048))
+    small, big = (working_bytes(cfg, torch.bfloat16, 128256, ForwardSize(n, 8192)) for n in (256, 2048))
     assert big > 7 * small and small > 256 * 4 * 128256  # at least the float32 logits of every position
 
 
@@ -74,15 +75,16 @@ def test_real_configs_at_their_full_context_need_gigabytes_of_working_memory_not
     cfg = real_config(name)
     assert cfg.num_attention_heads > 0 and cfg.max_position_embeddings == 131072
     for path in ("flex", "per_sequence", "cpu_paged", "varlen"):
-        work = working_bytes(cfg, torch.bfloat16, tokens, cfg.vocab_size, attention=path, logit_rows=rows, tp_size=tp)
+        work = working_bytes(cfg, torch.bfloat16, cfg.vocab_size, ForwardSize(tokens, logit_rows=rows), attention=path,
+                             tp_size=tp)
         assert work < most, (path, work / GiB)
     # the padded path holds every layer's slab and the scores: budgeted, and far larger at full context
-    padded = working_bytes(cfg, torch.bfloat16, tokens, cfg.vocab_size, attention="padded", logit_rows=rows, batch=32,
-                           tp_size=tp)
+    padded = working_bytes(cfg, torch.bfloat16, cfg.vocab_size, ForwardSize(tokens, logit_rows=rows, batch=32),
+                           attention="padded", tp_size=tp)
     assert padded > 10 * most
     # logits only for the rows that get them: a verify batch of 32 x 9 rows, not 2048
-    assert working_bytes(cfg, torch.bfloat16, tokens, cfg.vocab_size, logit_rows=288, tp_size=tp) < (
-        working_bytes(cfg, torch.bfloat16, tokens, cfg.vocab_size, tp_size=tp) - (tokens - 288) * 16 * cfg.vocab_size + 1)
+    assert working_bytes(cfg, torch.bfloat16, cfg.vocab_size, ForwardSize(tokens, logit_rows=288), tp_size=tp) < (
+        working_bytes(cfg, torch.bfloat16, cfg.vocab_size, ForwardSize(tokens), tp_size=tp) - (tokens - 288) * 16 * cfg.vocab_size + 1)
 
 
 def test_a_rank_budgets_its_share_of_the_heads_and_of_the_kv():
@@ -91,7 +93,7 @@ def test_a_rank_budgets_its_share_of_the_heads_and_of_the_kv():
     cfg = real_config("meta-llama/Llama-3.1-70B-Instruct")
     assert kv_bytes_per_token(cfg, torch.bfloat16, 1) == 2 * 80 * 8 * 128 * 2
     assert kv_bytes_per_token(cfg, torch.bfloat16, 4) == 2 * 80 * 2 * 128 * 2
-    one, four = (working_bytes(cfg, torch.bfloat16, 2048, 128256, attention="per_sequence", tp_size=t) for t in (1, 4))
+    one, four = (working_bytes(cfg, torch.bfloat16, 128256, ForwardSize(2048), attention="per_sequence", tp_size=t) for t in (1, 4))
     assert four < one
 
 
@@ -101,7 +103,7 @@ def test_a_replica_that_cannot_hold_one_sequence_of_max_model_len_refuses_to_sta
     runner = ModelRunner(target_model, tokenizer)
     runner.device = CUDA
     per_token = kv_bytes_per_token(target_model.config, torch.float32)
-    work = working_bytes(target_model.config, torch.float32, 512, 98, context=1000, attention=runner.attention_path)
+    work = working_bytes(target_model.config, torch.float32, 98, ForwardSize(512, 1000), attention=runner.attention_path)
     total = int(79.1 * GiB)
 
     def leaving(tokens):  # a device whose memory_utilization share leaves room for `tokens` positions
@@ -109,8 +111,8 @@ def test_a_replica_that_cannot_hold_one_sequence_of_max_model_len_refuses_to_sta
         return lambda device: (total - used, total)
 
     with pytest.raises(InsufficientMemoryError, match="max_model_len 1000: lower max_model_len"):
-        size_kv_budget(runner, 0.9, None, 512, mem_info=leaving(999), max_model_len=1000)
-    assert size_kv_budget(runner, 0.9, None, 512, mem_info=leaving(1000), max_model_len=1000) == 1000 * per_token
+        size_kv_budget(runner, 0.9, None, ForwardSize(512, 1000), mem_info=leaving(999))
+    assert size_kv_budget(runner, 0.9, None, ForwardSize(512, 1000), mem_info=leaving(1000)) == 1000 * per_token
 
 
 def test_in_process_target_and_draft_split_one_budget_made_before_either_pool(target_model, tokenizer):
@@ -126,18 +128,18 @@ def test_in_process_target_and_draft_split_one_budget_made_before_either_pool(ta
     target, draft = ModelRunner(target_model, tokenizer), ModelRunner(make_model(7, layers=1), tokenizer)
     # the old order: the target takes the whole share, its pool lands on the device, then the draft
     target.device = draft.device = CUDA
-    size_kv_budget(target, 0.9, None, 512, mem_info=before_pools)
+    size_kv_budget(target, 0.9, None, ForwardSize(512), mem_info=before_pools)
     after_pool = lambda d: (total - weights - target.cache.max_bytes, total)  # noqa: E731
     with pytest.raises(InsufficientMemoryError):
-        size_kv_budget(draft, 0.9, None, 512, mem_info=after_pool, reserved=target.cache.max_bytes)
+        size_kv_budget(draft, 0.9, None, ForwardSize(512), mem_info=after_pool, reserved=target.cache.max_bytes)
     # one budget, split so both hold the same tokens
-    t_bytes, d_bytes = size_shared_kv_budget([target, draft], 0.9, [None, None], 512, mem_info=before_pools)
+    t_bytes, d_bytes = size_shared_kv_budget([target, draft], 0.9, [None, None], ForwardSize(512), mem_info=before_pools)
     pt, pd = (kv_bytes_per_token(r.model.config, r.model.dtype) for r in (target, draft))
     assert t_bytes > 0 and d_bytes > 0 and t_bytes // pt == d_bytes // pd
-    work = sum(working_bytes(r.model.config, torch.float32, 512, 98, attention=r.attention_path) for r in (target, draft))
+    work = sum(working_bytes(r.model.config, torch.float32, 98, ForwardSize(512), attention=r.attention_path) for r in (target, draft))
     assert int(0.9 * total) - weights - work - pt - pd < t_bytes + d_bytes <= int(0.9 * total) - weights - work
     # a byte cap still bounds its own model
-    assert size_shared_kv_budget([target, draft], 0.9, [None, GiB], 512, mem_info=before_pools)[1] == GiB
+    assert size_shared_kv_budget([target, draft], 0.9, [None, GiB], ForwardSize(512), mem_info=before_pools)[1] == GiB
 
 
 def test_admission_refuses_a_context_past_the_kv_budget(target_model, tokenizer):

@@ -37,10 +37,10 @@ def test_the_target_in_bf16_keeps_its_compiled_steps(pair):
     activations blow up (eager and compiled 47 apart where on text they agree within 0.7), and its
     bf16 steps never compiled on a CPU."""
     from app.model.loading import load_model
-    from app.model.runner import ModelRunner
+    from app.model.runner import Execution, ModelRunner
 
     model, tok = load_model(pair[0], dtype="bfloat16", device="cpu")
-    runner = ModelRunner(model, tok, pack=True, compile="default", compile_max_tokens=8)
+    runner = ModelRunner(model, tok, Execution(pack=True, compile="default", compile_max_tokens=8))
     runner.on_thread(runner.warm)
     assert runner.steps is not None
     assert tok.decode(runner._probe_ids(8)).startswith("The quick brown")

@@ -13,6 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from app.params import SamplingParams
+from app.job import GenerationJob
 from app.request import REPLACEMENT, RequestState
 from tests.conftest import make_byte_tokenizer, make_tokenizer
 
@@ -50,7 +51,7 @@ def stream(s: RequestState, feed: list[list[int]]) -> tuple[str, list[tuple[list
 
 
 def state(tok, params: SamplingParams, ids: list[int] | None = None, chars: int = 0) -> RequestState:
-    return RequestState("r", PROMPT, params, tok, max_context=4096, output_ids=ids, streamed_chars=chars)
+    return RequestState(GenerationJob("r", PROMPT, params, 0, ids or [], chars), tok, 4096)
 
 
 def check_every_cut(tok, ids: list[int], params: SamplingParams) -> str:

@@ -5,7 +5,7 @@ import torch
 
 from app.model.kv import OutOfBlocks
 from conftest import kv_store, put_ids
-from app.model.runner import ModelRunner, SeqInput
+from app.model.runner import Execution, ModelRunner, SeqInput
 
 ATOL = 1e-4
 
@@ -18,9 +18,9 @@ def target_runner(request, target_model, tokenizer):
     gathered for one varlen call per layer (a GPU's FlashAttention; here the reference of its
     contract), and padded batches (models ragged attention cannot serve exactly, e.g. sliding windows)."""
     if request.param == "flex":
-        return ModelRunner(target_model, tokenizer, max_cache_bytes=4 << 20, attention="flex")
+        return ModelRunner(target_model, tokenizer, Execution(attention="flex"), max_cache_bytes=4 << 20)
     if request.param in ("per_sequence", "varlen"):
-        return ModelRunner(target_model, tokenizer, attention=request.param)
+        return ModelRunner(target_model, tokenizer, Execution(attention=request.param))
     runner = ModelRunner(target_model, tokenizer)
     runner.ragged = request.param == "ragged"
     return runner

@@ -196,7 +196,8 @@ def test_a_proposal_in_hand_keeps_what_drafting_ahead_needs():
 
 
 def test_a_greedy_proposal_gives_the_drafts_runner_ups_where_asked(draft_model, tokenizer):
-    from app.speculation.steps import RUNNER_UP_POSITIONS, ProposeItem, propose
+    from app.speculation.steps import RUNNER_UP_POSITIONS, ProposeItem
+    from app.speculation.drafting import propose
 
     runner = ModelRunner(draft_model, tokenizer)
     context = list(range(3, 20))

@@ -23,8 +23,8 @@ def test_a_short_soak_with_a_kill_per_layer_loses_nothing(tmp_path, monkeypatch)
             app[role]["compile"] = "off"
         return config
     monkeypatch.setattr(soak, "soak_config", eager)
-    report = soak.run(target, draft, seconds=55, clients=3, every=(12.0, 14.0), max_tokens=16, port=free_port(),
-                      in_turn=True)
+    plan = soak.Soak(seconds=55, clients=3, every=(12.0, 14.0), max_tokens=16, in_turn=True)
+    report = soak.run(target, draft, plan, port=free_port())
     table = report["table"]
     print(soak.markdown(table))
     killed = {layer for _, layer, name in report["kills"] if not name.startswith("not")}

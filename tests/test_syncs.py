@@ -5,8 +5,9 @@ import pytest
 import torch
 
 from app.params import SamplingParams
-from app.model.runner import ModelRunner
-from app.speculation.steps import Proposal, ProposeItem, VerifyItem, propose, verify
+from app.model.runner import Execution, ModelRunner
+from app.speculation.steps import Proposal, ProposeItem, VerifyItem, verify
+from app.speculation.drafting import propose
 from app.model.syncs import SyncCounter
 from conftest import blend
 
@@ -90,7 +91,7 @@ def test_a_forward_over_borrowed_prefixes_uploads_once_on_the_gpu_paths(attentio
     span made a copy of its own (a stream sync per fragmented sequence per forward)."""
     from app.model.runner import SeqInput
 
-    runner = ModelRunner(target_model, tokenizer, attention=attention)
+    runner = ModelRunner(target_model, tokenizer, Execution(attention=attention))
     runner.compact_tables = False  # as on a GPU: tables stay in their runs (the CPU moves them into one)
     donor = list(range(3, 60))
     runner.forward([SeqInput("donor", donor, 1)])

@@ -15,6 +15,7 @@ from app import telemetry
 from app.speculation.controller import CostEstimator, KController, KControllerConfig
 from app.speculation.driver import DraftUnavailable, RoundContext, run_rounds
 from app.params import SamplingParams
+from app.job import GenerationJob
 from app.request import RequestState
 from app.speculation.steps import Proposal, ProposeItem, Verdict, VerifyItem
 
@@ -83,7 +84,7 @@ def spans():
 
 def run_request(tokenizer, servers, max_tokens=10, k=3, controller=None, observer=None, traced=True):
     params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, speculation={"num_tokens": k})
-    state = RequestState("req-1", [3, 4], params, tokenizer, max_context=512)
+    state = RequestState(GenerationJob("req-1", [3, 4], params, 0), tokenizer, 512)
     controller = controller or KController(KControllerConfig(k_max=8), pinned_k=k)
 
     async def go():

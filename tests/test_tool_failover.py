@@ -33,10 +33,11 @@ def engine_chunks(tok, ids: list[int], start) -> list[dict]:
     """What the engine streams of a job whose output is `ids`, a token a round (a cut anywhere), from where
     `start` (a ResumeState) stands, as app/request.py reads text."""
     from app.params import SamplingParams
+    from app.job import GenerationJob
     from app.request import RequestState
 
-    s = RequestState("r", [5], SamplingParams(max_tokens=len(ids)), tok, 4096, output_ids=start.output_ids,
-                     streamed_chars=start.streamed_chars)
+    job = GenerationJob("r", [5], SamplingParams(max_tokens=len(ids)), 0, list(start.output_ids), start.streamed_chars)
+    s = RequestState(job, tok, 4096)
     out, at = [], len(start.output_ids)
     while not s.finished:
         kept = s.append(ids[at:at + 1])

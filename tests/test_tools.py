@@ -287,6 +287,7 @@ def test_kept_specials_change_nothing_else_in_the_text(marker_pair):
     import random
 
     from app.params import SamplingParams
+    from app.job import GenerationJob
     from app.request import RequestState
 
     tok = marker_pair[0]
@@ -298,8 +299,8 @@ def test_kept_specials_change_nothing_else_in_the_text(marker_pair):
         ids = [rng.choice(specials if rng.random() < 0.3 else words) for _ in range(rng.randint(1, 30))]
 
         def text(**kw):
-            return RequestState("r", [5], SamplingParams(max_tokens=64, ignore_eos=True, **kw), tok, 512,
-                                output_ids=ids).text
+            params = SamplingParams(max_tokens=64, ignore_eos=True, **kw)
+            return RequestState(GenerationJob("r", [5], params, 0, ids), tok, 512).text
         shown = tok.decode([t for t in ids if t == tc or t not in specials], skip_special_tokens=False)
         assert text(keep_special_token_ids=[tc]) == shown
         assert text() == tok.decode(ids, skip_special_tokens=True)

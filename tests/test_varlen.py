@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from app.model import varlen
-from app.model.runner import ModelRunner, SeqInput
+from app.model.runner import Execution, ModelRunner, SeqInput
 from test_runner import ATOL, fresh_logits, random_ids
 
 
@@ -19,7 +19,7 @@ def count_calls(monkeypatch) -> list[tuple[int, int]]:
 
     def kernel(device):
         def run(*args):
-            calls.append(args[5:7])
+            calls.append((args[3].max_q, args[3].max_k))
             return varlen.varlen_reference(*args)
         return run
 
@@ -33,7 +33,7 @@ def batch(n: int) -> list[SeqInput]:
 
 
 def test_a_whole_batch_takes_one_kernel_call_per_layer(monkeypatch, target_model, tokenizer):
-    runner = ModelRunner(target_model, tokenizer, attention="varlen")
+    runner = ModelRunner(target_model, tokenizer, Execution(attention="varlen"))
     calls = count_calls(monkeypatch)
     seqs = batch(8)
     out = runner.forward(seqs)
@@ -53,7 +53,7 @@ def test_groups_end_where_the_gather_would_pass_its_bound(monkeypatch, target_mo
     """Contexts of 5, 8, 11, 14 | 17, 20 | 23 | 26 | 50 positions under a bound of 40: five groups, the
     50-position sequence alone (a group holds at least one sequence, whatever its length)."""
     monkeypatch.setattr(varlen, "VARLEN_GATHER_TOKENS", 40)
-    runner = ModelRunner(target_model, tokenizer, attention="varlen")
+    runner = ModelRunner(target_model, tokenizer, Execution(attention="varlen"))
     calls = count_calls(monkeypatch)
     seqs = batch(8) + [SeqInput("long", random_ids(99, 50), 3)]
     out = runner.forward(seqs)
@@ -67,7 +67,7 @@ def test_the_reference_is_causal_from_the_bottom_right():
     """Two queries that are the last of five keys: the first sees keys 0-3, the second all five."""
     g = torch.Generator().manual_seed(0)
     q, k, v = torch.randn(2, 1, 4, generator=g), torch.randn(5, 1, 4, generator=g), torch.randn(5, 1, 4, generator=g)
-    out = varlen.varlen_reference(q, k, v, torch.tensor([0, 2]), torch.tensor([0, 5]), 2, 5, 0.5, False)
+    out = varlen.varlen_reference(q, k, v, varlen.Packing(torch.tensor([0, 2]), torch.tensor([0, 5]), 2, 5), 0.5, False)
     for j, seen in enumerate((4, 5)):
         weights = torch.softmax((k[:seen, 0] @ q[j, 0]) * 0.5, 0)
         torch.testing.assert_close(out[j, 0], weights @ v[:seen, 0])
@@ -84,15 +84,17 @@ def test_the_cuda_kernel_is_asked_for_bottom_right_causal_attention_one_split_an
     @functools.wraps(torch_varlen.varlen_attn)  # the real one's signature: the path reads it
     def fake(q, k, v, cu_q, cu_k, max_q, max_k, **kwargs):
         seen.update(kwargs)
-        return varlen.varlen_reference(q, k, v, cu_q, cu_k, max_q, max_k, kwargs["scale"], kwargs["enable_gqa"])
+        return varlen.varlen_reference(q, k, v, varlen.Packing(cu_q, cu_k, max_q, max_k), kwargs["scale"],
+                                       kwargs["enable_gqa"])
 
     monkeypatch.setattr(torch_varlen, "varlen_attn", fake)
     kernel = varlen.varlen_kernel.__wrapped__(torch.device("cuda"))  # the CUDA path, not its cached instance
     q, k, v = torch.randn(3, 4, 8), torch.randn(7, 2, 8), torch.randn(7, 2, 8)
     cu_q, cu_k = torch.tensor([0, 1, 3], dtype=torch.int32), torch.tensor([0, 3, 7], dtype=torch.int32)
-    out = kernel(q, k, v, cu_q, cu_k, 2, 4, 0.25, True)
+    packing = varlen.Packing(cu_q, cu_k, 2, 4)
+    out = kernel(q, k, v, packing, 0.25, True)
     assert seen == {"window_size": (-1, 0), "num_splits": 1, "enable_gqa": True, "scale": 0.25}
-    torch.testing.assert_close(out, varlen.varlen_reference(q, k, v, cu_q, cu_k, 2, 4, 0.25, True))
+    torch.testing.assert_close(out, varlen.varlen_reference(q, k, v, packing, 0.25, True))
 
 
 @pytest.mark.parametrize("mode", ["off", "default"])
@@ -103,7 +105,7 @@ def test_compiled_steps_over_varlen_attention_give_the_eager_tokens_and_never_re
     from app.engine import Engine
     from test_engine import PROMPTS, greedy, reference
 
-    runner = ModelRunner(target_model, tokenizer, attention="varlen", compile=mode, compile_max_tokens=8)
+    runner = ModelRunner(target_model, tokenizer, Execution(attention="varlen", compile=mode, compile_max_tokens=8))
     if mode != "off":
         runner.steps = CompiledSteps(target_model, mode, 8, dynamic=True)
     runner.warm()
@@ -141,7 +143,7 @@ def test_a_decode_forward_dispatches_as_many_ops_at_batch_32_as_at_batch_1(monke
     counts = {}
     for path in ("varlen", "per_sequence"):
         for b in (1, 32):
-            runner = ModelRunner(target_model, tokenizer, attention=path)
+            runner = ModelRunner(target_model, tokenizer, Execution(attention=path))
             runner.compact_tables = False
             seqs = [SeqInput(f"s{i}", random_ids(i, 30), 1) for i in range(b)]
             runner.forward(seqs)

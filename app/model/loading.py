@@ -7,8 +7,8 @@ import torch
 
 from app.speculation import draft_vocab
 from app.config import DraftSettings, ModelSettings
-from app.model.memory import size_kv_budget, size_shared_kv_budget
-from app.model.runner import ModelRunner, SeqInput, load_model
+from app.model.memory import ForwardSize, size_kv_budget, size_shared_kv_budget
+from app.model.runner import Execution, ModelRunner, SeqInput, load_model
 
 
 def set_torch_threads(settings: ModelSettings) -> None:
@@ -29,8 +29,8 @@ def load_runner(path: str, settings: ModelSettings, forward_tokens: int, *, tp_s
     logit_rows, batch: the most rows one forward takes logits for, and sequences it holds (the memory
     model's working buffers; default: every position, one sequence per position)."""
     runner = _runner(path, settings, tp_size)
-    size_kv_budget(runner, settings.memory_utilization, settings.max_cache_bytes, forward_tokens,
-                   max_model_len=settings.max_model_len, tp_size=tp_size, logit_rows=logit_rows, batch=batch)
+    size = ForwardSize(forward_tokens, settings.max_model_len, logit_rows, batch)
+    size_kv_budget(runner, settings.memory_utilization, settings.max_cache_bytes, size, tp_size=tp_size)
     _limit_context(runner, settings)
     if tp_size == 1:
         runner.on_thread(runner.warm, progress)
@@ -45,13 +45,12 @@ def load_pair(target: str, target_settings: ModelSettings, draft: str | None, dr
     budget): on a shared GPU one budget is then split so both hold the same tokens (app/model/memory.py)."""
     t = _runner(target, target_settings, 1)
     d = _runner(draft, draft_settings, 1) if draft else None
+    size = ForwardSize(forward_tokens, target_settings.max_model_len)
     if d is None:
-        size_kv_budget(t, target_settings.memory_utilization, target_settings.max_cache_bytes, forward_tokens,
-                       max_model_len=target_settings.max_model_len)
+        size_kv_budget(t, target_settings.memory_utilization, target_settings.max_cache_bytes, size)
     else:
         size_shared_kv_budget([t, d], target_settings.memory_utilization,
-                              [target_settings.max_cache_bytes, draft_settings.max_cache_bytes], forward_tokens,
-                              max_model_len=target_settings.max_model_len)
+                              [target_settings.max_cache_bytes, draft_settings.max_cache_bytes], size)
     for r, settings in ((t, target_settings), (d, draft_settings)):
         if r is not None:
             _limit_context(r, settings)
@@ -67,9 +66,9 @@ def _runner(path: str, settings: ModelSettings, tp_size: int) -> ModelRunner:
     if isinstance(settings, DraftSettings) and settings.proposal_vocab:
         draft_vocab.restrict_head(model, path, settings.proposal_vocab)  # before packing: its rows are packed
     packed = {"model": None, "bfloat16": torch.bfloat16}[settings.packed_weights]
-    return ModelRunner(model, tokenizer, pack=tp_size == 1, compile=settings.compile,
-                       compile_max_tokens=settings.compile_max_tokens, attention=settings.attention,
-                       packed_dtype=packed)
+    execution = Execution(settings.attention, settings.compile, settings.compile_max_tokens, pack=tp_size == 1,
+                          packed_dtype=packed)
+    return ModelRunner(model, tokenizer, execution)
 
 
 def _limit_context(runner: ModelRunner, settings: ModelSettings) -> None:

@@ -8,6 +8,7 @@ is `cap` alone.
 """
 
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
@@ -39,11 +40,21 @@ def kv_bytes_per_token(config, dtype: torch.dtype, tp_size: int = 1) -> int:
     return 2 * getattr(config, "num_hidden_layers", 0) * kv_heads * head_dim * (torch.finfo(dtype).bits // 8)
 
 
-def working_bytes(config, dtype: torch.dtype, tokens: int, vocab: int, *, context: int | None = None,
-                  attention: str = "flex", logit_rows: int | None = None, batch: int | None = None,
+@dataclass(frozen=True)
+class ForwardSize:
+    """The largest forward a runner serves, which its working buffers are sized for: `tokens`
+    positions over sequences of up to `context` positions (max_model_len; default the model's), with
+    logits for at most `logit_rows` rows (default every position) of at most `batch` sequences
+    (default one per position)."""
+    tokens: int
+    context: int | None = None
+    logit_rows: int | None = None
+    batch: int | None = None
+
+
+def working_bytes(config, dtype: torch.dtype, vocab: int, size: ForwardSize, *, attention: str = "flex",
                   tp_size: int = 1, device_type: str = "cuda") -> int:
-    """Memory one forward of `tokens` positions works in on one rank, beyond weights and KV cache (an
-    upper estimate), for sequences of up to `context` positions (max_model_len; default the model's):
+    """Memory one forward of `size` works in on one rank, beyond weights and KV cache (an upper estimate):
     - logits: float32 for the `logit_rows` rows that get them (verify rows and prompts' last
       positions; default every position), the full vocabulary on every rank, and three more copies
       for sampled verification (padded, processed, sorted);
@@ -64,8 +75,9 @@ def working_bytes(config, dtype: torch.dtype, tokens: int, vocab: int, *, contex
     wide = getattr(config, "intermediate_size", None) or 4 * hidden
     itemsize = torch.finfo(dtype).bits // 8
     heads, kv_heads, head_dim = _attention_dims(config, tp_size)
-    context = min(context or getattr(config, "max_position_embeddings", 0) or tokens, 1 << 40)
-    rows = tokens if logit_rows is None else min(tokens, logit_rows)
+    tokens = size.tokens
+    context = min(size.context or getattr(config, "max_position_embeddings", 0) or tokens, 1 << 40)
+    rows = tokens if size.logit_rows is None else min(tokens, size.logit_rows)
     logits = rows * 4 * 4 * vocab
     activations = tokens * 2 * itemsize * (4 * hidden + (heads + 2 * kv_heads) * head_dim + 3 * wide // tp_size)
     output = 2 * tokens * heads * head_dim * itemsize
@@ -79,7 +91,7 @@ def working_bytes(config, dtype: torch.dtype, tokens: int, vocab: int, *, contex
         scratch = 2 * kv_heads * max(context, VARLEN_GATHER_TOKENS) * head_dim * itemsize
     elif attention == "padded":
         layers = getattr(config, "num_hidden_layers", 0)
-        seqs = max(1, min(batch or tokens, tokens))
+        seqs = max(1, min(size.batch or tokens, tokens))
         slab = layers * 2 * seqs * kv_heads * (context + tokens) * head_dim * itemsize
         scratch = slab + 2 * 4 * heads * tokens * (context + tokens)
     else:
@@ -118,22 +130,21 @@ def agree_on_budget(runner) -> int:
     return runner.cache.max_bytes
 
 
-def size_kv_budget(runner, utilization: float, cap: int | None, forward_tokens: int, reserved: int = 0,
-                   mem_info: Callable[[torch.device], tuple[int, int]] | None = None, *,
-                   max_model_len: int | None = None, logit_rows: int | None = None, batch: int | None = None,
-                   tp_size: int = 1) -> int:
-    """Set a loaded ModelRunner's KV budget for forwards of up to `forward_tokens` positions over
-    sequences of up to `max_model_len` (default: the model's positions); returns it. Raises
-    InsufficientMemoryError when the budget cannot hold one sequence of an explicit max_model_len."""
+def size_kv_budget(runner, utilization: float, cap: int | None, size: ForwardSize, *, reserved: int = 0,
+                   mem_info: Callable[[torch.device], tuple[int, int]] | None = None, tp_size: int = 1) -> int:
+    """Set a loaded ModelRunner's KV budget for forwards of up to `size`; returns it. Raises
+    InsufficientMemoryError when the budget cannot hold one sequence of an explicit max_model_len
+    (size.context)."""
     model = runner.model
-    rows = model.get_output_embeddings().out_features  # logits' width (a prepacked head has no .weight)
-    rows_with_logits = logit_rows if getattr(runner, "ragged_logits", False) else None  # else every position's
-    working = working_bytes(model.config, model.dtype, forward_tokens, rows, context=max_model_len,
-                            attention=runner.attention_path, logit_rows=rows_with_logits, batch=batch, tp_size=tp_size,
-                            device_type=runner.device.type)
+    vocab = model.get_output_embeddings().out_features  # logits' width (a prepacked head has no .weight)
+    if not getattr(runner, "ragged_logits", False):  # logits for every position
+        size = ForwardSize(size.tokens, size.context, None, size.batch)
+    working = working_bytes(model.config, model.dtype, vocab, size, attention=runner.attention_path,
+                            tp_size=tp_size, device_type=runner.device.type)
     budget = kv_budget(runner.device, utilization=utilization, cap=cap, working=working, reserved=reserved,
                        mem_info=mem_info)
     per_token = kv_bytes_per_token(model.config, model.dtype, tp_size)
+    max_model_len = size.context
     if max_model_len is not None and per_token and budget // per_token < max_model_len:
         raise InsufficientMemoryError(
             f"{runner.device}: the KV cache budget ({budget / 2**30:.2f} GiB, {budget // per_token} tokens) cannot "
@@ -143,19 +154,17 @@ def size_kv_budget(runner, utilization: float, cap: int | None, forward_tokens: 
     return budget
 
 
-def size_shared_kv_budget(runners: list, utilization: float, caps: list[int | None], forward_tokens: int,
-                          mem_info: Callable[[torch.device], tuple[int, int]] | None = None, *,
-                          max_model_len: int | None = None) -> list[int]:
+def size_shared_kv_budget(runners: list, utilization: float, caps: list[int | None], size: ForwardSize,
+                          mem_info: Callable[[torch.device], tuple[int, int]] | None = None) -> list[int]:
     """Budgets of runners that share one GPU and hold the same sequences (a target and its draft in
     one process), sized before either pool is made: what utilization leaves after both models'
     weights and working buffers, split by their KV bytes per token so that both hold the same number
     of tokens; each capped by its own max_cache_bytes. Apart (a CPU), each is sized on its own."""
     if runners[0].device.type != "cuda" and mem_info is None:
-        return [size_kv_budget(r, utilization, cap, forward_tokens, max_model_len=max_model_len)
-                for r, cap in zip(runners, caps)]
-    working = sum(working_bytes(r.model.config, r.model.dtype, forward_tokens,
-                                r.model.get_output_embeddings().out_features, context=max_model_len,
+        return [size_kv_budget(r, utilization, cap, size) for r, cap in zip(runners, caps)]
+    working = sum(working_bytes(r.model.config, r.model.dtype, r.model.get_output_embeddings().out_features, size,
                                 attention=r.attention_path, device_type=r.device.type) for r in runners)
+    max_model_len = size.context
     allowed = kv_budget(runners[0].device, utilization=utilization, cap=None, working=working, mem_info=mem_info)
     per_token = [kv_bytes_per_token(r.model.config, r.model.dtype) for r in runners]
     tokens = allowed // sum(per_token)

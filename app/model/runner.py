@@ -6,6 +6,7 @@ import os
 import sys
 import threading
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig, PreTrainedModel
@@ -87,12 +88,24 @@ def _note_thread(holder: list) -> None:
     holder[0] = threading.get_ident()
 
 
+@dataclass(frozen=True)
+class Execution:
+    """How a runner runs its model's forwards: `attention`'s path (one of ATTENTION; auto picks by
+    device, _attention_path), the `compile` mode and its largest static bucket of tokens
+    (app/model/compiled.py), and on a CPU whether linears run on packed weights (`pack`), in
+    `packed_dtype` (default the model's) (app/model/cpu_linear.py)."""
+    attention: str = "auto"
+    compile: str = "off"
+    compile_max_tokens: int = 128
+    pack: bool = False
+    packed_dtype: torch.dtype | None = None
+
+
 class ModelRunner:
     """Runs one model over many sequences at once, reusing each sequence's cached prefix."""
 
-    def __init__(self, model: PreTrainedModel, tokenizer, *, max_cache_bytes: int = 1 << 30, pack: bool = False,
-                 max_forward_tokens: int = 2048, compile: str = "off", compile_max_tokens: int = 128,
-                 attention: str = "auto", packed_dtype: torch.dtype | None = None):
+    def __init__(self, model: PreTrainedModel, tokenizer, execution: Execution = Execution(), *,
+                 max_cache_bytes: int = 1 << 30, max_forward_tokens: int = 2048):
         self.model = model
         # positions one forward computes at most (what the memory model sized working buffers for): a
         # context with more uncached positions is prefilled in chunks first (prefill())
@@ -111,27 +124,14 @@ class ModelRunner:
         self.ragged = supports_ragged(model)
         if self.ragged:
             model.config._attn_implementation = RAGGED
-        # ragged attention's path (app/model/ragged.py): the paged CPU kernel for short spans on a CPU that
-        # builds it (float32 or bfloat16), else one SDPA call per sequence; FlexAttention over the block pool when
-        # asked for. On the first GPU run (an H100, torch 2.11) inductor could not lower the flex kernel
-        # for the pool's shapes (NoValidChoicesError) and new batch shapes recompiled it past dynamo's
-        # limit, so auto no longer takes it on a GPU. varlen (one FlashAttention call per layer for many
-        # sequences) is opt-in on a GPU until a run there proves it; on a CPU it runs a reference.
-        if attention not in ATTENTION:
-            raise ValueError(f"attention must be one of {ATTENTION}, got {attention!r}")
-        if attention == "auto":  # flex is opt-in on a GPU: docs/configuration.md, "What a GPU has proven"
-            attention = ("cpu_paged" if self.ragged and cpu_attention.usable(model.dtype, self.device)
-                         else "per_sequence")
-        elif attention == "cpu_paged" and not cpu_attention.usable(model.dtype, self.device):
-            raise ValueError("attention='cpu_paged' needs a float32 or bfloat16 model on a CPU and a C++ compiler")
-        self.attention = attention
+        self.attention = self._attention_path(execution.attention)
         # CPU serving: linears on packed weights, streamed by the small-row kernel (app/model/cpu_linear.py),
         # eager and compiled alike; before the steps are built, so their head is the packed one
-        compiling = compile != "off" and not self._why_eager()
-        self.packed_linears = (pack_linears(model, compiled=compiling, dtype=packed_dtype)
-                               if pack and self.device.type == "cpu" else 0)
+        compiling = execution.compile != "off" and not self._why_eager()
+        self.packed_linears = (pack_linears(model, compiled=compiling, dtype=execution.packed_dtype)
+                               if execution.pack and self.device.type == "cpu" else 0)
         # compiled steps over static token counts (app/model/compiled.py): ragged forwards of one device only
-        self.steps = self._compiled(compile, compile_max_tokens)
+        self.steps = self._compiled(execution.compile, execution.compile_max_tokens)
         # models whose forward takes a per-row mask of the positions to project (transformers'
         # slice_logits_to_keep) run the LM head only where a logit is needed, not over every position
         self.ragged_logits = hasattr(sys.modules.get(type(model).__module__), "slice_logits_to_keep")
@@ -147,6 +147,23 @@ class ModelRunner:
         self._thread_ident: list[int | None] = [None]
         self.thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="specserve-forward",
                                          initializer=_note_thread, initargs=(self._thread_ident,))
+
+    def _attention_path(self, attention: str) -> str:
+        """Ragged attention's path (app/model/ragged.py): the paged CPU kernel for short spans on a CPU
+        that builds it (float32 or bfloat16), else one SDPA call per sequence; FlexAttention over the
+        block pool when asked for. On the first GPU run (an H100, torch 2.11) inductor could not lower
+        the flex kernel for the pool's shapes (NoValidChoicesError) and new batch shapes recompiled it
+        past dynamo's limit, so auto no longer takes it on a GPU. varlen (one FlashAttention call per
+        layer for many sequences) is opt-in on a GPU until a run there proves it; on a CPU it runs a
+        reference."""
+        if attention not in ATTENTION:
+            raise ValueError(f"attention must be one of {ATTENTION}, got {attention!r}")
+        if attention == "auto":  # flex is opt-in on a GPU: docs/configuration.md, "What a GPU has proven"
+            attention = ("cpu_paged" if self.ragged and cpu_attention.usable(self.model.dtype, self.device)
+                         else "per_sequence")
+        elif attention == "cpu_paged" and not cpu_attention.usable(self.model.dtype, self.device):
+            raise ValueError("attention='cpu_paged' needs a float32 or bfloat16 model on a CPU and a C++ compiler")
+        return attention
 
     @property
     def _ident(self) -> int | None:
@@ -261,14 +278,6 @@ class ModelRunner:
     def capacity_tokens(self) -> int:
         """The most positions one sequence can hold: the whole KV budget."""
         return self.cache.capacity_tokens(self.kv_block_bytes())
-
-    @classmethod
-    def from_pretrained(cls, name_or_path: str, *, dtype: str = "float32", device: str = "cpu",
-                        max_cache_bytes: int = 1 << 30, trust_remote_code: bool = False, compile: str = "off",
-                        compile_max_tokens: int = 128, attention: str = "auto") -> "ModelRunner":
-        model, tokenizer = load_model(name_or_path, dtype=dtype, device=device, trust_remote_code=trust_remote_code)
-        return cls(model, tokenizer, max_cache_bytes=max_cache_bytes, pack=True, compile=compile,
-                   compile_max_tokens=compile_max_tokens, attention=attention)
 
     @torch.inference_mode()
     def forward(self, seqs: list[SeqInput]) -> list[torch.Tensor]:

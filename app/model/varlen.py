@@ -4,11 +4,21 @@ torch's variable-length FlashAttention per layer; on a CPU, where that kernel do
 reference of its contract."""
 
 import functools
+from typing import NamedTuple
 
 import torch
 
 from app.model.memory import VARLEN_GATHER_TOKENS
 from app.model.syncs import upload
+
+
+class Packing(NamedTuple):
+    """How one kernel call's sequences lie end to end: the cumulative lengths of their queries and of
+    their keys (int32 on the device, n + 1 entries from 0), and the longest of each."""
+    cu_q: torch.Tensor
+    cu_k: torch.Tensor
+    max_q: int
+    max_k: int
 
 
 class VarlenGroups:
@@ -72,9 +82,9 @@ class VarlenGroups:
             row_a = self.spans[first].offset
             row_b = self.spans[end - 1].offset + self.spans[end - 1].length
             index = slots[at_k : at_k + total_k]
+            packing = Packing(cu[at_cu_q : at_cu_q + n + 1], cu[at_cu_k : at_cu_k + n + 1], max_q, max_k)
             out[0, row_a:row_b] = kernel(q_all[row_a:row_b].contiguous(), k_pool.index_select(0, index),
-                                         v_pool.index_select(0, index), cu[at_cu_q : at_cu_q + n + 1],
-                                         cu[at_cu_k : at_cu_k + n + 1], max_q, max_k, scale, gqa)
+                                         v_pool.index_select(0, index), packing, scale, gqa)
             at_k, at_cu_q, at_cu_k = at_k + total_k, at_cu_q + n + 1, at_cu_k + n + 1
         return out
 
@@ -102,21 +112,21 @@ def varlen_kernel(device: torch.device):
     if "num_splits" in params:
         causal["num_splits"] = 1
 
-    def kernel(q, k, v, cu_q, cu_k, max_q, max_k, scale, gqa):
+    def kernel(q, k, v, packing: Packing, scale: float, gqa: bool) -> torch.Tensor:
         extra = {"enable_gqa": gqa} if "enable_gqa" in params else {}
         if gqa and not extra:  # an older torch without GQA in varlen: the key/value heads repeated
             k, v = (t.repeat_interleave(q.shape[1] // t.shape[1], 1) for t in (k, v))
-        return varlen_attn(q, k, v, cu_q, cu_k, max_q, max_k, scale=scale, **causal, **extra)
+        return varlen_attn(q, k, v, *packing, scale=scale, **causal, **extra)
 
     return kernel
 
 
-def varlen_reference(q, k, v, cu_q, cu_k, max_q, max_k, scale, gqa) -> torch.Tensor:
+def varlen_reference(q, k, v, packing: Packing, scale: float, gqa: bool) -> torch.Tensor:
     """The varlen kernel's contract, one SDPA call per sequence: q [Tq, Hq, D] and k, v [Tk, H, D]
-    packed by the cumulative lengths cu_q, cu_k; sequence i's query j sees its keys up to
-    len_k - len_q + j (causal, aligned to the bottom right). The CPU's stand-in, for the tests."""
+    packed as `packing` says; sequence i's query j sees its keys up to len_k - len_q + j (causal,
+    aligned to the bottom right). The CPU's stand-in, for the tests."""
     out = torch.empty_like(q)
-    bounds_q, bounds_k = cu_q.tolist(), cu_k.tolist()
+    bounds_q, bounds_k = packing.cu_q.tolist(), packing.cu_k.tolist()
     for i in range(len(bounds_q) - 1):
         qa, qb, ka, kb = bounds_q[i], bounds_q[i + 1], bounds_k[i], bounds_k[i + 1]
         if qb == qa:

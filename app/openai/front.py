@@ -27,8 +27,8 @@ from app.job import GenerationJob
 from app.openai.protocol import choice_seed, default_max_tokens, load_json, normalise_body
 from app.openai.responses import ChoiceView, choice_body, combined_speculation, completion_body, usage_body
 from app.params import MAX_CHOICES, SamplingParams, SpeculationParams
-from app.request import streamed_text
 from app.openai.tokenization import detokenize, tokenize
+from app.request import streamed_text
 from app.openai.tool_calls import PARSERS, enforced_tools, special_markers
 
 # used when a tokenizer ships no chat template (the demo pair): plain "role: content" turns

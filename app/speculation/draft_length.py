@@ -4,7 +4,7 @@ A draft token the draft itself gives a low probability is one the target will li
 is every token after it (acceptance stops at the first refusal). A row's proposal therefore ends
 with the first token whose top draft probability at its position is below the row's bound: fewer
 draft steps and fewer verify rows for the tokens that would have been refused (the dynamic draft
-length of EAGLE-2 and its peers). app/speculation/steps.py's propose() keeps one `Lengths` per batch.
+length of EAGLE-2 and its peers). app/speculation/drafting.py's propose() keeps one `Lengths` per batch.
 
 Exact: a proposal's length depends on the draft's distribution alone, never on the target's.
 """

@@ -1,4 +1,6 @@
-"""One speculative round over a batch: `propose` on the draft, `verify` on the target.
+"""One speculative round over a batch: what travels between the round and the models (ProposeItem,
+Proposal, VerifyItem, Verdict) and `verify` on the target; `propose`, the draft's side, is
+app/speculation/drafting.py.
 
 Both are stateless apart from the runner's caches: every item carries the sequence's full token
 ids, so any replica can answer any call and a lost cache only costs recomputation.
@@ -13,8 +15,7 @@ from app.grammar import Grammars
 from app.speculation.logits import LogitRules
 from app.params import SamplingParams
 from app.model.runner import ModelRunner, SeqInput
-from app.speculation.sampling import DRAFT, EMIT, SamplingSteps, process_logits, rejection_sample, sample, uniform
-from app.speculation.draft_length import Lengths
+from app.speculation.sampling import SamplingSteps, process_logits, rejection_sample
 from app.model.syncs import to_device, upload
 
 
@@ -135,7 +136,7 @@ def token_logprobs(logprobs: torch.Tensor, tokens: list[int], top: int) -> list[
     return list(zip(chosen, alternatives))
 
 
-def _sampling_tensors(params: list[SamplingParams], device: torch.device, repeat: int = 1):
+def sampling_tensors(params: list[SamplingParams], device: torch.device, repeat: int = 1):
     """(temperature, top_k, top_p, min_p) as [N * repeat] tensors on `device` (the logits'), in one
     host-to-device copy: float64 holds each value exactly (top_k is bounded far below 2**53), and each
     is cast as a tensor of its own values would have been made (float32, int64)."""
@@ -147,43 +148,6 @@ def _sampling_tensors(params: list[SamplingParams], device: torch.device, repeat
     return t.float(), k.long(), p_.float(), m.float()
 
 
-def _truncate_top_n(probs: torch.Tensor, top_n: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """q restricted to its top_n tokens and renormalised: exact, since q is what the draft samples."""
-    n = probs.shape[-1] if top_n <= 0 else min(top_n, probs.shape[-1])
-    q_probs, q_ids = probs.topk(n, dim=-1)
-    return q_ids, q_probs / q_probs.sum(-1, keepdim=True)
-
-
-def _draft_step(logits: torch.Tensor, items: list[ProposeItem], positions: torch.Tensor, top_n: int,
-                sampling: tuple | None, seeds: torch.Tensor | None):
-    """Sample one draft token per row. logits [B, V]; positions [B] absolute, on the logits' device;
-    `sampling` (_sampling_tensors) and `seeds` [B] there, made once per proposal (None when all are
-    greedy) -> tokens, q_ids, q_probs there."""
-    device = logits.device
-    if sampling is None:  # q is one-hot at the argmax: nothing to sample
-        tokens = logits.argmax(-1)
-        return tokens, tokens.unsqueeze(-1), torch.ones(len(items), 1, device=device)
-    params = [it.sampling for it in items]
-    q_ids, q_probs = _truncate_top_n(process_logits(logits, *sampling,
-                                                    steps=SamplingSteps.of(params, logits.shape[-1])), top_n)
-    col = sample(q_probs, uniform(seeds, positions, DRAFT))
-    tokens = q_ids.gather(-1, col.unsqueeze(-1)).squeeze(-1)
-    return tokens, q_ids, q_probs
-
-
-def _guess(logits: torch.Tensor, items: list[ProposeItem], positions: torch.Tensor, sampling: tuple | None,
-           seeds: torch.Tensor | None) -> torch.Tensor:
-    """The draft's guess of the target's bonus token at `positions` [B]: drawn with the very uniform the
-    target's bonus draw will use, over the full processed draft distribution in the same token order,
-    so where q is close to p the two draws agree (a coupling). Not part of the proposal: only which
-    context is drafted ahead depends on it, never a token."""
-    if sampling is None:
-        return logits.argmax(-1)
-    params = [it.sampling for it in items]
-    q = process_logits(logits, *sampling, steps=SamplingSteps.of(params, logits.shape[-1]))
-    return sample(q, uniform(seeds, positions, EMIT))
-
-
 def ruled(grammars: Grammars, seq_id: str, rules: LogitRules | None, logits: torch.Tensor, history: list[int],
           new: list[int] = ()) -> torch.Tensor:
     """logits [N, V] of N consecutive positions (row j after history + new[:j]) under a request's rules
@@ -193,87 +157,6 @@ def ruled(grammars: Grammars, seq_id: str, rules: LogitRules | None, logits: tor
     out = rules.apply(logits, history, new)
     if rules.grammar:
         out = grammars.apply(out, seq_id, rules.grammar, history[rules.prompt_len:], new)
-    return out
-
-
-def _ruled(grammars: Grammars, logits: torch.Tensor, items: list[ProposeItem],
-           drafted: list[torch.Tensor]) -> torch.Tensor:
-    """The draft's next-token logits [B, V] under each request's rules and grammar, given its context
-    and the tokens drafted so far (`drafted`: one [B] tensor per step): q processed as the target's p is."""
-    if not any(it.rules for it in items):
-        return logits
-    so_far = torch.stack(drafted, 1).tolist() if drafted else [[] for _ in items]
-    return torch.cat([ruled(grammars, it.seq_id, it.rules, logits[i : i + 1], it.token_ids + so_far[i])
-                      for i, it in enumerate(items)])
-
-
-def propose(runner: ModelRunner, items: list[ProposeItem], top_n: int = 32) -> list[Proposal]:
-    """Draft up to k tokens for every item in one batch: one forward per draft step."""
-    live = [i for i, it in enumerate(items) if it.k > 0]
-    out = [Proposal.empty() for _ in items]
-    if not live:
-        return out
-    batch_items = [items[i] for i in live]
-    inputs = [SeqInput(it.seq_id, it.token_ids, 1, it.sampling.cache_salt) for it in batch_items]
-    runner.prefill(inputs)  # a long context new to the draft: in chunks, within the forward's token budget
-    batch = runner.open(inputs)
-    logits = torch.stack([lg[-1] for lg in batch.logits])
-    drafted = [it.k + it.guess for it in batch_items]  # the guess is one more draft step
-    steps = max(drafted)
-    tokens, ids, probs = [], [], []
-    guess_steps = [it.k if it.guess else -1 for it in batch_items]  # on the host: no sync to test them
-    # what every step needs, on the device once per proposal (app/model/syncs.py: one copy each)
-    positions, guess_step, seeds = upload([[len(it.token_ids) for it in batch_items], guess_steps,
-                                           [it.seed for it in batch_items]], logits.device)
-    greedy = all(it.sampling.greedy for it in batch_items)
-    sampling = None if greedy else _sampling_tensors([it.sampling for it in batch_items], logits.device)
-    alternatives = max(it.runner_ups if it.sampling.greedy else 0 for it in batch_items)
-    runner_ups = []  # [B, alternatives] per position, while asked for
-    lengths = Lengths(batch_items, logits.device) if any(it.stop_below > 0 for it in batch_items) else None
-    for step in range(steps):
-        logits = _ruled(runner.grammars, logits, batch_items, tokens)
-        if alternatives and step < RUNNER_UP_POSITIONS:
-            runner_ups.append(logits.topk(1 + alternatives, dim=-1).indices[:, 1:])
-        t, qi, qp = _draft_step(logits, batch_items, positions + step, top_n, sampling, seeds)
-        if lengths is not None:  # a sampled row's guess, were its proposal to end at this step
-            lengths.step(logits, qp, _guess(logits, batch_items, positions + step, sampling, seeds)
-                         if sampling is not None else None)
-        if step in guess_steps:
-            t = torch.where(guess_step == step, _guess(logits, batch_items, positions + step, sampling, seeds), t)
-        tokens.append(t), ids.append(qi), probs.append(qp)
-        if step + 1 < steps and not (lengths is not None and lengths.done(step)):
-            logits = batch.extend(t)  # the drafted tokens stay on the device between steps
-        else:
-            break
-    steps = len(tokens)
-    # [B, steps, ...]; a proposal leaves the draft's device: it is pickled to target replicas that may have none
-    tokens = torch.stack(tokens, 1)
-    extra = [torch.stack(runner_ups, 1).flatten(1)] if runner_ups else []  # [B, positions x alternatives]
-    if lengths is not None:  # [B, steps] confident and [B, steps] guesses, after the tokens
-        extra += [lengths.confident(), lengths.guesses(tokens)]
-    if extra:  # one copy from the device, not several
-        tokens = torch.cat([tokens, *extra], 1)
-    tokens, ids, probs = tokens.cpu(), torch.stack(ids, 1).cpu(), torch.stack(probs, 1).cpu()
-    rows = tokens.tolist()
-    ups = None
-    if runner_ups:  # [B, positions, alternatives]
-        ups = [[row[steps + j * alternatives: steps + (j + 1) * alternatives] for j in range(len(runner_ups))]
-               for row in rows]
-    if lengths is None:
-        ks = [it.k for it in batch_items]
-        guesses = [row[k] if it.guess else None for row, it, k in zip(rows, batch_items, ks)]
-    else:  # each row's own length, and its guess there
-        tail = steps + len(runner_ups) * alternatives
-        ks = [Lengths.length(it, row[tail: tail + steps]) for it, row in zip(batch_items, rows)]
-        guesses = [row[tail + steps + k] if it.guess else None for row, it, k in zip(rows, batch_items, ks)]
-        drafted = [k + it.guess for k, it in zip(ks, batch_items)]
-    batch.close([len(it.token_ids) + n - 1 for it, n in zip(batch_items, drafted)],
-                [r[:steps] for r in rows])
-    for row, i in enumerate(live):
-        k, item = ks[row], items[i]
-        wanted = ups is not None and item.runner_ups and item.sampling.greedy
-        out[i] = Proposal(rows[row][:k], ids[row, :k], probs[row, :k], {"steps": steps}, guess=guesses[row],
-                          runner_ups=[r[: item.runner_ups] for r in ups[row][:k]] if wanted else None)
     return out
 
 
@@ -335,7 +218,7 @@ def _verdicts(batch, items: list[VerifyItem], runner: ModelRunner, kept_chunks: 
     for i, lg in enumerate(logits):
         padded[i, : lg.shape[0]] = lg
     params = [it.sampling for it in items]
-    p = process_logits(padded.view(-1, v), *_sampling_tensors(params, device, kmax + 1),
+    p = process_logits(padded.view(-1, v), *sampling_tensors(params, device, kmax + 1),
                        steps=SamplingSteps.of(params, v))
     p = p.view(b, kmax + 1, v)
 
