@@ -50,7 +50,7 @@ def running_app(target: str, draft: str | None, args: dict | None = None, deploy
     config = load_config(args={**base, **(args or {})}, deployments=deployments, port=port)
     if env:
         config["applications"][0]["runtime_env"] = {"env_vars": env}
-    with LocalCluster(system_config=system_config):
+    with LocalCluster(system_config=system_config, drain=False):
         deploy(config, timeout_s=300)
         yield f"http://127.0.0.1:{port}"
 

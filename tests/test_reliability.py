@@ -78,7 +78,7 @@ def deployed(pair):
             current["name"] = name
         return f"http://127.0.0.1:{port}"
 
-    with LocalCluster():
+    with LocalCluster(drain=False):
         yield use
 
 

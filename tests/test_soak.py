@@ -23,7 +23,7 @@ def test_a_short_soak_with_a_kill_per_layer_loses_nothing(tmp_path, monkeypatch)
             app[role]["compile"] = "off"
         return config
     monkeypatch.setattr(soak, "soak_config", eager)
-    plan = soak.Soak(seconds=55, clients=3, every=(12.0, 14.0), max_tokens=16, in_turn=True)
+    plan = soak.Soak(seconds=45, clients=3, every=(10.0, 11.0), max_tokens=16, in_turn=True)  # kills by 33 s
     report = soak.run(target, draft, plan, port=free_port())
     table = report["table"]
     print(soak.markdown(table))
