@@ -8,16 +8,8 @@ import torch
 from app.speculation.logits import LogitRules
 from app.params import SamplingParams
 from app.speculation.sampling import process_logits, rejection_sample, sample, uniform
-from app.speculation.steps import (
-    Proposal,
-    ProposeItem,
-    VerifyItem,
-    _draft_step,
-    _guess,
-    _sampling_tensors,
-    _verdicts,
-    propose,
-)
+from app.speculation.drafting import _draft_step, _guess, propose
+from app.speculation.steps import Proposal, ProposeItem, VerifyItem, _verdicts, sampling_tensors
 from tests.device_guard import (
     MixedDeviceError,
     guard,
@@ -75,7 +67,7 @@ def test_a_draft_step_and_its_guess_on_the_device(temperature):
     with guard():
         lg, positions = on_accelerator(logits(3)), on_accelerator(torch.tensor([3, 3, 3]))
         # what a proposal uploads once for all its steps, on the device too
-        sampling = None if temperature == 0 else _sampling_tensors([it.sampling for it in items], lg.device)
+        sampling = None if temperature == 0 else sampling_tensors([it.sampling for it in items], lg.device)
         seeds = on_accelerator(torch.tensor([it.seed for it in items]))
         assert sampling is None or all(is_on_accelerator(t) for t in sampling)
         tokens, q_ids, q_probs = _draft_step(lg, items, positions, 8, sampling, seeds)

@@ -10,6 +10,7 @@ draft_stop_below), exact in every mode.
 import numpy as np
 import torch
 
+import app.speculation.drafting as drafting
 import app.speculation.steps as spec
 from app.engine import Engine, EngineSettings
 from app.params import parse_sampling
@@ -61,13 +62,13 @@ def test_a_greedy_proposal_ends_after_the_first_unsure_token():
     assert chain[:3] == [1, 2, 3] and top_prob(0) > 0.9 and top_prob(3) < 0.9
     draft = Counting(TABLE)
     item = ProposeItem("a", [5, 0], 6, GREEDY, 0, guess=True, stop_below=0.9)
-    (proposal,) = spec.propose(draft, [item])
+    (proposal,) = drafting.propose(draft, [item])
     # the draft was sure of 1, 2 and 3 (after 0, 1, 2) and unsure of the token after 3
     assert proposal.tokens == chain[:4] and proposal.guess == chain[4]
     assert draft.steps == 4  # five steps' tokens (four and the guess): four extends, not six
-    (whole,) = spec.propose(Bigram(TABLE), [ProposeItem("b", [5, 0], 6, GREEDY, 0, guess=True)])
+    (whole,) = drafting.propose(Bigram(TABLE), [ProposeItem("b", [5, 0], 6, GREEDY, 0, guess=True)])
     assert whole.tokens == chain[:6] and whole.guess == chain[6]  # no bound: all k
-    (loose,) = spec.propose(Bigram(TABLE), [ProposeItem("c", [5, 0], 3, GREEDY, 0, guess=True, stop_below=0.01)])
+    (loose,) = drafting.propose(Bigram(TABLE), [ProposeItem("c", [5, 0], 3, GREEDY, 0, guess=True, stop_below=0.01)])
     assert loose.tokens == chain[:3] and loose.guess == chain[3]  # k bounds it first
 
 
@@ -81,9 +82,9 @@ def test_each_row_keeps_its_own_length_in_a_batch():
              ProposeItem("s", [4, 1], 5, params, 77, guess=True, stop_below=0.5),
              ProposeItem("n", [2], 3, GREEDY, 0, guess=True),
              ProposeItem("u", [3], 4, params, 5, stop_below=0.95)]
-    together = spec.propose(Bigram(TABLE), items)
+    together = drafting.propose(Bigram(TABLE), items)
     for item, proposal in zip(items, together):
-        (alone,) = spec.propose(Bigram(TABLE), [item])
+        (alone,) = drafting.propose(Bigram(TABLE), [item])
         assert (proposal.tokens, proposal.guess) == (alone.tokens, alone.guess)
         torch.testing.assert_close(dense(proposal), dense(alone))  # a greedy row's q is one-hot either way
     assert len(together[0].tokens) == 4 and len(together[2].tokens) == 3
@@ -97,7 +98,7 @@ def test_sampled_rounds_with_unsure_stops_follow_the_target_law():
     params = parse_sampling(dict(temperature=1.0, max_tokens=8))
     seeds = torch.arange(n) * 1_000_003 + 41
     items = [ProposeItem(f"s{i}", prompt, k, params, int(s), stop_below=0.37) for i, s in enumerate(seeds.tolist())]
-    proposals = spec.propose(Bigram(TABLE), items)
+    proposals = drafting.propose(Bigram(TABLE), items)
     lengths = np.bincount([len(p.tokens) for p in proposals])
     assert lengths[2] > 0.1 * n and lengths[k] > 0.1 * n  # both stops exercised: early, and at k
     verdicts = spec.verify(Bigram(target), [VerifyItem(f"s{i}", prompt, pr, params, int(s))
@@ -135,13 +136,13 @@ def test_off_a_cpu_the_steps_read_nothing_until_the_end(target_model, tokenizer,
     draft = ModelRunner(blend(target_model, 7, 0.9), tokenizer)
     asks = [ProposeItem(f"s{i}", list(range(3 + i, 30)), 4, GREEDY, seed=i, guess=True) for i in range(3)]
     bounded = [ProposeItem(a.seq_id, a.token_ids, 4, GREEDY, a.seed, guess=True, stop_below=0.5) for a in asks]
-    on_cpu = spec.propose(draft, bounded)
-    spec.propose(draft, asks)
+    on_cpu = drafting.propose(draft, bounded)
+    drafting.propose(draft, asks)
     with SyncCounter() as fixed:
-        spec.propose(draft, asks)
-    monkeypatch.setattr(spec.Lengths, "done", lambda self, step: False)  # as off a CPU
+        drafting.propose(draft, asks)
+    monkeypatch.setattr(drafting.Lengths, "done", lambda self, step: False)  # as off a CPU
     with SyncCounter() as syncs:
-        proposals = spec.propose(draft, bounded)
+        proposals = drafting.propose(draft, bounded)
     assert syncs.by_call == fixed.by_call, syncs.by_call
     assert [(p.tokens, p.guess) for p in proposals] == [(p.tokens, p.guess) for p in on_cpu]
     assert any(len(p.tokens) < 4 for p in proposals)  # some stopped early, with the same tokens as on a CPU
@@ -153,6 +154,6 @@ def test_a_branching_row_that_stops_at_once_keeps_its_guess_and_runner_ups():
     chain = greedy_chain(4, 2)
     assert top_prob(4) < 0.9
     draft = Counting(TABLE)
-    (proposal,) = spec.propose(draft, [ProposeItem("r", [5, 4], 6, GREEDY, 0, guess=True, runner_ups=2, stop_below=0.9)])
+    (proposal,) = drafting.propose(draft, [ProposeItem("r", [5, 4], 6, GREEDY, 0, guess=True, runner_ups=2, stop_below=0.9)])
     assert proposal.tokens == chain[:1] and proposal.guess == chain[1] and draft.steps == 1
     assert proposal.runner_ups == [TABLE[4].topk(3).indices[1:].tolist()]

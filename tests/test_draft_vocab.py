@@ -14,6 +14,7 @@ import json
 import numpy as np
 import torch
 
+import app.speculation.drafting as drafting
 import app.speculation.steps as spec
 from app.model.compiled import agrees
 from app.speculation.draft_vocab import FLOOR, RANKING, SubsetHead, restrict_head
@@ -59,7 +60,7 @@ def test_a_restricted_draft_proposes_kept_tokens_and_greedy_output_is_unchanged(
     # every drafted token is a kept one, greedy and sampled
     for params in (dict(temperature=0.0), dict(temperature=1.0)):
         items = [ProposeItem(f"p{i}", tokenizer.encode(f"x = {i}"), 6, parse_sampling(params), seed=i) for i in range(8)]
-        for proposal in engine.draft.on_thread(spec.propose, engine.draft, items):
+        for proposal in engine.draft.on_thread(drafting.propose, engine.draft, items):
             assert set(proposal.tokens) <= set(KEPT)
             assert set(proposal.q_ids[proposal.q_probs > 0].tolist()) <= set(KEPT)
 
@@ -106,7 +107,7 @@ def test_sampled_rounds_with_a_restricted_draft_follow_the_target_law():
     assert_detectable(joint.ravel(), (q_only / q_only.sum()).ravel(), n)
 
     seeds = torch.arange(n) * 1_000_003 + 29
-    proposals = spec.propose(Bigram(draft), [ProposeItem(f"s{i}", prompt, k, params, int(s), rules=rules)
+    proposals = drafting.propose(Bigram(draft), [ProposeItem(f"s{i}", prompt, k, params, int(s), rules=rules)
                                              for i, s in enumerate(seeds.tolist())])
     assert {t for pr in proposals for t in pr.tokens} <= set(kept.tolist())
     first, second = first_two(target, prompt, proposals, params, seeds, rules)
@@ -117,8 +118,8 @@ def test_rules_that_mask_every_kept_token_leave_the_draft_a_finite_distribution(
     logits = torch.full((2, 8), FLOOR)
     logits[:, :3] = -float("inf")  # the kept tokens 0-2, all masked by a grammar
     items = [ProposeItem(f"s{i}", [1, 2], 1, parse_sampling(dict(temperature=0.5)), seed=i) for i in range(2)]
-    sampling = spec._sampling_tensors([it.sampling for it in items], logits.device)
-    tokens, q_ids, q_probs = spec._draft_step(logits, items, torch.tensor([2, 2]), 0, sampling, torch.tensor([1, 2]))
+    sampling = spec.sampling_tensors([it.sampling for it in items], logits.device)
+    tokens, q_ids, q_probs = drafting._draft_step(logits, items, torch.tensor([2, 2]), 0, sampling, torch.tensor([1, 2]))
     assert torch.isfinite(q_probs).all() and (tokens >= 3).all()
     torch.testing.assert_close(q_probs, torch.full((2, 8), 1 / 5).where(q_ids >= 3, torch.zeros(2, 8)))
     assert (processed(logits[0], temperature=0.5)[3:] > 0).all()

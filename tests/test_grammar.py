@@ -13,6 +13,7 @@ import torch
 from transformers import LogitsProcessor, LogitsProcessorList
 
 import app.grammar
+import app.speculation.drafting as drafting
 import app.speculation.steps as spec
 from app.engine import Engine, EngineSettings
 from app.errors import InvalidRequestError
@@ -107,7 +108,7 @@ def test_the_draft_masks_q_with_the_same_grammar(byte_tokenizer, byte_target, mo
     params = dict(temperature=1.0, seed=5, max_tokens=60, response_format=JSON_SCHEMA, speculation={"num_tokens": 4})
     same = engine.generate(PROMPTS, params)
     assert all(r.speculation["acceptance_rate"] > 0.97 for r in same), [r.speculation for r in same]
-    monkeypatch.setattr(spec, "_ruled", lambda grammars, logits, items, drafted: logits)
+    monkeypatch.setattr(drafting, "_ruled", lambda grammars, logits, items, drafted: logits)
     unmasked = engine.generate(PROMPTS, params)
     assert max(r.speculation["acceptance_rate"] for r in unmasked) < 0.9
     for r in unmasked:  # the target's mask alone still keeps the output valid
@@ -157,10 +158,10 @@ def test_a_sequence_evicted_from_the_kv_budget_loses_its_matcher(byte_tokenizer,
     params = parse_sampling(dict(temperature=0, response_format={"type": "json_object"}))
     prompt = byte_tokenizer("give me json:")["input_ids"]
     rules = LogitRules.of(params, len(prompt), frozenset({byte_tokenizer.eos_token_id}))
-    spec.propose(runner, [spec.ProposeItem("a", prompt, 3, params, 0, rules=rules)])
+    drafting.propose(runner, [spec.ProposeItem("a", prompt, 3, params, 0, rules=rules)])
     assert "a" in runner.grammars._matchers and "a" in runner.cache
     runner.cache.max_bytes = runner.cache.nbytes + 1  # room for one such cache: b's evicts a's
-    spec.propose(runner, [spec.ProposeItem("b", prompt[::-1], 3, params, 0, rules=rules)])
+    drafting.propose(runner, [spec.ProposeItem("b", prompt[::-1], 3, params, 0, rules=rules)])
     assert "a" not in runner.cache and "a" not in runner.grammars._matchers
     assert "b" in runner.grammars._matchers
     runner.cache.drop("b")

@@ -13,6 +13,7 @@ import torch
 from transformers import (LogitsProcessor, LogitsProcessorList, MinNewTokensLengthLogitsProcessor,
                           RepetitionPenaltyLogitsProcessor, SequenceBiasLogitsProcessor)
 
+import app.speculation.drafting as drafting
 import app.speculation.steps as spec
 from app.engine import Engine, EngineSettings
 from app.errors import InvalidRequestError
@@ -202,7 +203,7 @@ def test_sampled_rounds_with_rules_follow_the_processed_target_law():
     assert_detectable(joint.ravel(), (law_of(p1)[:, None] * law_of(stale)).ravel(), n)
 
     seeds = torch.arange(n) * 1_000_003 + 17
-    proposals = spec.propose(Bigram(draft), [ProposeItem(f"s{i}", prompt, k, params, int(s), rules=rules)
+    proposals = drafting.propose(Bigram(draft), [ProposeItem(f"s{i}", prompt, k, params, int(s), rules=rules)
                                              for i, s in enumerate(seeds.tolist())])
     first, second = first_two(target, prompt, proposals, params, seeds, rules)
     assert_law(np.array(first) * v + np.array(second), joint.ravel(), tv_bound=0.03)
@@ -239,7 +240,7 @@ def test_the_draft_processes_q_with_the_same_rules(target_model, tokenizer, monk
                   **RULES["all"])
     same = engine.generate(PROMPTS, params)
     assert all(r.speculation["acceptance_rate"] > 0.97 for r in same), [r.speculation for r in same]
-    monkeypatch.setattr(spec, "_ruled", lambda grammars, logits, items, drafted: logits)
+    monkeypatch.setattr(drafting, "_ruled", lambda grammars, logits, items, drafted: logits)
     unruled = engine.generate(PROMPTS, params)
     assert min(r.speculation["acceptance_rate"] for r in unruled) < 0.9
 

@@ -149,14 +149,14 @@ def test_a_draft_that_ignores_the_call_grammar_lowers_acceptance_but_never_chang
     """The target as its own draft: with the grammar on both sides every proposal passes. Planted bug:
     a draft that ignores the grammar proposes what the call format refuses; the target's mask rejects
     it, so the output stays the forced call, token for token, and only acceptance drops."""
-    import app.speculation.steps as spec
+    import app.speculation.drafting as drafting
 
     tok, target, _ = byte_pair
     engine = Engine(ModelRunner(target, tok), ModelRunner(target, tok), EngineSettings(draft_top_n=0))
     fmt = {"type": "grammar", "grammar": PARSERS["hermes"]().grammar([WEATHER], parallel=False)}
     params = dict(temperature=0, max_tokens=80, response_format=fmt, speculation={"num_tokens": 4})
     masked = engine.generate(["call a tool:", "x"], params)
-    monkeypatch.setattr(spec, "_ruled", lambda grammars, logits, items, drafted: logits)
+    monkeypatch.setattr(drafting, "_ruled", lambda grammars, logits, items, drafted: logits)
     unmasked = engine.generate(["call a tool:", "x"], params)
     assert [r.token_ids for r in unmasked] == [r.token_ids for r in masked]
     rate = lambda rs: sum(r.speculation["accepted_tokens"] for r in rs) / sum(  # noqa: E731
