@@ -42,14 +42,11 @@ class LocalCluster:
     """Head node = target pool; `draft_nodes` more nodes = draft pool. Use as a context manager."""
 
     def __init__(self, draft_nodes: int = 1, cpus_per_node: int = 4, pool_slots: int = 8,
-                 system_config: dict | None = None, drain: bool = True):
+                 system_config: dict | None = None):
         self.draft_nodes, self.cpus, self.slots = draft_nodes, cpus_per_node, pool_slots
         # Ray's _system_config, e.g. {"metrics_report_interval_ms": 1000} for a quicker metrics export;
         # every node's metrics agent serves Prometheus text on the node's MetricsExportPort (see ray.nodes())
         self.system_config = system_config or {}
-        # drain: shut Serve down first, each replica finishing what it holds (7 s of a test's teardown
-        # on 2 cores); False ends the nodes at once, their processes with them (tests, whose requests are done)
-        self.drain = drain
         self.cluster = None
 
     def __enter__(self) -> "LocalCluster":
@@ -113,8 +110,7 @@ class LocalCluster:
         if self.cluster is None:
             return
         try:
-            if self.drain:
-                serve.shutdown()
+            serve.shutdown()
         finally:
             ray.shutdown()
             self._stop_nodes()

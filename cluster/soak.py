@@ -284,7 +284,7 @@ def run(target: str, draft: str, soak: Soak, port: int = 8011, timeout_s: float 
     seconds, clients, seed, every = soak.seconds, soak.clients, soak.seed, soak.every
     specs = mix(soak.max_tokens)
     layers = list(LAYERS) + (["rank"] if soak.tp > 1 else [])
-    with LocalCluster(drain=False):  # its load is over when it ends
+    with LocalCluster():
         deploy(soak_config(target, draft, port, soak.tp), timeout_s=600)
         url = f"http://127.0.0.1:{port}"
         print(f"app up at {url}: references for {sum(s.kind != 'unseeded' for s in specs)} requests...", flush=True)
@@ -325,7 +325,7 @@ def overload(target: str, draft: str, factor: int = 4, running: int = 4, queued:
     capacity = 2 * (running + queued)
     specs = [s for s in mix(max_tokens) if s.kind == "greedy"]
     burst = [specs[i % len(specs)] for i in range(factor * capacity)]
-    with LocalCluster(drain=False):  # its load is over when it ends
+    with LocalCluster():
         deploy(config, timeout_s=600)
         url = f"http://127.0.0.1:{port}"
 

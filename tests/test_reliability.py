@@ -20,7 +20,7 @@ import pytest
 from app.engine import Engine
 from cluster.soak import sse_events, take_event
 from app.params import SamplingParams
-from serving import free_port, save_tiny_pair
+from serving import free_port, quick_shutdown, save_tiny_pair
 
 PROMPTS = [f"def g{i}(y):\n    return y" + " * 2" * (i % 4) for i in range(8)]
 N = 48  # tokens per load-run request
@@ -62,7 +62,7 @@ def app_config(pair, port: int, name: str) -> dict:
     for d in config["applications"][0]["deployments"]:
         d.pop("autoscaling_config", None)
         d["num_replicas"] = replicas.get(d["name"], 1)
-    return config
+    return quick_shutdown(config)
 
 
 @pytest.fixture(scope="module")
@@ -78,7 +78,7 @@ def deployed(pair):
             current["name"] = name
         return f"http://127.0.0.1:{port}"
 
-    with LocalCluster(drain=False):
+    with LocalCluster():
         yield use
 
 
