@@ -149,6 +149,9 @@ def test_one_trace_per_request_with_parent_links_through_the_items(tokenizer, sp
         if s.name != "generate":
             assert parent(s) in expected[s.name], s.name
     assert names.count("draft.beside_prefill") == 1
+    # and it did ask: one proposal drafted beside the prefill (for 3 days one was not, unseen: the
+    # round cleared its first-round flag before asking)
+    assert [parent(s) for s in finished if s.name == "draft.propose"].count("draft.beside_prefill") == 1
     rounds = [s for s in finished if s.name == "round"]
     assert sum(s.attributes["specserve.accepted"] for s in rounds) == state.stats.accepted_tokens
     assert rounds[0].attributes["specserve.k"] == 0  # the prompt's round: a plain step

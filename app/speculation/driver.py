@@ -151,14 +151,16 @@ class Rounds:
 
     async def _prompt_round(self, t_round: float) -> tuple[Verdict, RoundFacts]:
         """The request's first round: the target's prefill alone, the draft asked beside it."""
-        self.first = False
         # the prefill is queued for the target's next forward before the draft is called, so the
         # call's own work (serialising the context, a hop to the draft pool) never delays it
         prefill = asyncio.ensure_future(self._verify(Proposal.empty(), 0, None, None, t_round, 0.0))
         try:
             await asyncio.sleep(0)
-            with telemetry.span("draft.beside_prefill"):
-                self.draft_beside_prefill()
+            if self._flexible():  # the next round takes it shifted by the target's first token; a seeded
+                # request asks anew then (its K is its own), and would race this call's prefill on the draft
+                with telemetry.span("draft.beside_prefill"):
+                    self.draft_beside_prefill()  # asks only in the first round: `first` is cleared after it
+            self.first = False
             verdict, facts = await prefill
         except BaseException:
             prefill.cancel()
