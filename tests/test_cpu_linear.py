@@ -38,6 +38,44 @@ def test_bfloat16_weights_widen_exactly_and_the_result_rounds_once():
     torch.testing.assert_close(got.float(), want.float(), rtol=1e-2, atol=1e-2)
 
 
+@pytest.mark.skipif(not cpu_linear.pairs_available(), reason="this CPU has no AVX512-BF16")
+@pytest.mark.parametrize("out_features, in_features", [(96, 40), (130, 17), (4096, 576)])
+def test_bfloat16_pairs_give_the_product_to_rounding_and_each_row_alone(out_features, in_features):
+    """The pair path (bfloat16 rows, vdpbf16ps): F.linear's float32 product to bfloat16 rounding, an odd
+    input width padded; a row's result the same bits in every row count and thread split."""
+    weight, bias = _weights(out_features, in_features, torch.bfloat16)
+    packed = cpu_linear.pack(weight, pairs=True)
+    assert packed.dtype == torch.int32 and packed.shape[1] == (in_features + 1) // 2
+    x = torch.randn(23, in_features).to(torch.bfloat16)
+    got = cpu_linear.linear(x, packed, None, out_features)
+    assert got.dtype == torch.bfloat16
+    want = nn.functional.linear(x.float(), weight.float()).to(torch.bfloat16)
+    torch.testing.assert_close(got.float(), want.float(), rtol=1e-2, atol=2e-2)
+    threads = torch.get_num_threads()
+    try:
+        for n in (1, 2):
+            torch.set_num_threads(n)
+            for rows in (1, 5, 6, 7, 23):
+                for i in range(0, 23, rows):
+                    part = cpu_linear.linear(x[i : i + rows], packed, None, out_features)
+                    assert torch.equal(part, got[i : i + rows]), (n, rows, i)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_a_bfloat16_model_takes_the_pair_path_where_the_cpu_has_it(target_model):
+    model = copy.deepcopy(target_model).to(torch.bfloat16)
+    ids = torch.tensor([[5, 9, 30, 2, 17]])
+    with torch.inference_mode():
+        before = model(ids).logits.float()
+        cpu_linear.pack_linears(model)
+        after = model(ids).logits.float()
+    packed = [m.packed.dtype for m in model.modules() if isinstance(m, cpu_linear.PackedLinear)]
+    assert packed and set(packed) == {torch.int32 if cpu_linear.pairs_available() else torch.bfloat16}
+    assert (after.argmax(-1) == before.argmax(-1)).float().mean() > 0.8  # bf16 rounding, not a wrong product
+    torch.testing.assert_close(after, before, rtol=0.1, atol=0.2)
+
+
 def test_a_row_is_bit_identical_whatever_rows_share_its_call():
     """A verify's rows against the plain step's one row: every row tile, remainder and thread split
     sums each output in the same order."""

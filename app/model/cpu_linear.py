@@ -13,6 +13,13 @@ an opaque call), so compiled and eager forwards compute the same linears. Every 
 of fused multiply-adds over the inputs in order, whatever the number of rows: a verify's rows equal
 the plain steps' bit for bit.
 
+A bfloat16 model's linears, on a CPU with AVX512-BF16, take the kernel's pair path: its weights packed
+in pairs along the input dimension and its bfloat16 rows multiplied by vdpbf16ps, two products per
+lane an instruction (app/model/kernels/small_gemm.cpp). At tens of rows a step is bound by arithmetic,
+and the widening path (float32 FMAs) is: on the reference target's 576 x 49152 head, one thread,
+64 rows 45 ms -> 19 ms, 16 rows 11.7 -> 6.9, 1 row 3.7 -> 3.2. Its sums are a chain of pairs, the same
+for every row count (rows still equal bit for bit), rounded as that instruction rounds.
+
 Where the kernel cannot be built (no compiler), eager forwards fall back on oneDNN's prepacked
 weights (torch ships that kernel for its compiler's weight-freezing pass) and compiled ones keep
 inductor's matmuls, which cannot lower the oneDNN op.
@@ -41,22 +48,31 @@ def _kernel() -> ctypes.CDLL | None:
         for fn in (lib.specserve_gemm_f32, lib.specserve_gemm_bf16):
             fn.argtypes = [ptr, i64, i64, ptr, i64, ptr, ptr, i64]
             fn.restype = None
-        for fn in (lib.specserve_gemm_pack_f32, lib.specserve_gemm_pack_bf16):
+        lib.specserve_gemm_pairs.argtypes = [ptr, i64, i64, ptr, i64, ptr, ptr, i64]
+        lib.specserve_gemm_pairs.restype = None
+        for fn in (lib.specserve_gemm_pack_f32, lib.specserve_gemm_pack_bf16, lib.specserve_gemm_pack_pairs):
             fn.argtypes = [ptr, i64, i64, ptr]
             fn.restype = None
         lib.specserve_gemm_group_width.restype = i64
+        lib.specserve_gemm_has_pairs.restype = i64
     return lib
 
 
-_FUNCTIONS: dict[torch.dtype, object] = {}  # weights' dtype -> the kernel's function
+_FUNCTIONS: dict[torch.dtype, object] = {}  # packed weights' dtype -> the kernel's function (int32: pairs)
 
 
 def kernel_available() -> bool:
     """Whether this machine built the small-row kernel."""
     lib = _kernel()
     if lib is not None and not _FUNCTIONS:
-        _FUNCTIONS.update({torch.float32: lib.specserve_gemm_f32, torch.bfloat16: lib.specserve_gemm_bf16})
+        _FUNCTIONS.update({torch.float32: lib.specserve_gemm_f32, torch.bfloat16: lib.specserve_gemm_bf16,
+                           torch.int32: lib.specserve_gemm_pairs})
     return lib is not None
+
+
+def pairs_available() -> bool:
+    """Whether the kernel has its bfloat16 pair path here (the CPU and the compiler have AVX512-BF16)."""
+    return kernel_available() and bool(_kernel().specserve_gemm_has_pairs())
 
 
 def onednn_available() -> bool:
@@ -64,15 +80,21 @@ def onednn_available() -> bool:
     return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
 
 
-def pack(weight: torch.Tensor) -> torch.Tensor:
-    """`weight` ([out, in], float32 or bfloat16) in the kernel's layout: [groups, in, group width]."""
+def pack(weight: torch.Tensor, pairs: bool = False) -> torch.Tensor:
+    """`weight` ([out, in], float32 or bfloat16) in the kernel's layout: [groups, in, group width];
+    `pairs` (bfloat16 weights, pairs_available()): [groups, in / 2 rounded up, group width] int32, each
+    two bfloat16 values along the input, for bfloat16 rows."""
     kernel_available()  # loads the kernel and names its functions, which `linear` then calls
     lib = _kernel()
     weight = weight.detach().contiguous()
-    width = lib.specserve_gemm_group_width()
-    out = torch.empty(-(-weight.shape[0] // width), weight.shape[1], width, dtype=weight.dtype)
+    width, (n, k) = lib.specserve_gemm_group_width(), weight.shape
+    if pairs:
+        out = torch.empty(-(-n // width), (k + 1) // 2, width, dtype=torch.int32)
+        lib.specserve_gemm_pack_pairs(weight.to(torch.bfloat16).data_ptr(), n, k, out.data_ptr())
+        return out
+    out = torch.empty(-(-n // width), k, width, dtype=weight.dtype)
     fn = lib.specserve_gemm_pack_f32 if weight.dtype == torch.float32 else lib.specserve_gemm_pack_bf16
-    fn(weight.data_ptr(), weight.shape[0], weight.shape[1], out.data_ptr())
+    fn(weight.data_ptr(), n, k, out.data_ptr())
     return out
 
 
@@ -84,16 +106,22 @@ _LIBRARY.define("linear(Tensor x, Tensor packed, Tensor? bias, int out_features)
 
 def _linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, out_features: int) -> torch.Tensor:
     """x [..., in] @ W^T + bias -> [..., out_features] in x's dtype, W packed by `pack`. The kernel
-    computes in float32 (bfloat16 inputs and weights widen exactly) and the result is rounded once."""
+    sums in float32 (bfloat16 inputs and weights widen exactly; pairs: bfloat16 rows against pairs of
+    weights) and the result is rounded once."""
     wide = x.dtype == torch.float32  # the common case, with no conversion: a step makes 211 of these calls
-    rows = x if wide and x.is_contiguous() else x.to(torch.float32).contiguous()
+    if packed.dtype == torch.int32:  # pairs: a bfloat16 model's rows are bfloat16 already
+        rows = x if x.dtype == torch.bfloat16 and x.is_contiguous() else x.to(torch.bfloat16).contiguous()
+        if rows.shape[-1] % 2:  # the weights' input dimension is padded to even with zero
+            rows = torch.nn.functional.pad(rows, (0, 1))
+    else:
+        rows = x if wide and x.is_contiguous() else x.to(torch.float32).contiguous()
     count = rows.numel() // rows.shape[-1]
     real = min(count, getattr(_local, "rows", None) or count)
     # a compiled step's padding rows (past `real`) come out zero, uncomputed
     y = (torch.empty if real == count else torch.zeros)(*x.shape[:-1], out_features, dtype=torch.float32)
     b = None if bias is None else bias.to(torch.float32).contiguous()
     fn = _FUNCTIONS[packed.dtype]
-    fn(rows.data_ptr(), real, rows.shape[-1], packed.data_ptr(), out_features,
+    fn(rows.data_ptr(), real, packed.shape[1], packed.data_ptr(), out_features,
        None if b is None else b.data_ptr(), y.data_ptr(), torch.get_num_threads())
     return y if wide else y.to(x.dtype)
 
@@ -132,12 +160,14 @@ class PackedLinear(nn.Module):
         self.in_features, self.out_features = layer.in_features, layer.out_features
         self.kernel = kernel
         weight = layer.weight.detach()
+        # a bfloat16 model (its rows bfloat16 too) on a CPU with AVX512-BF16: the pair path
+        pairs = kernel and weight.dtype == torch.bfloat16 and pairs_available()
         if kernel and dtype is not None:  # the kernel reads bfloat16 weights against float32 rows
             weight = weight.to(dtype)
         # oneDNN's batch-size hint only picks the blocked layout; any row count runs on it, but the layout
         # oneDNN picks for 1 row is slow for every row count (demo target, 1 core: 1 row 5.6 ms vs 4.3,
         # 5 rows 8.9 vs 4.7); from 4 up the hints measure alike
-        packed = pack(weight) if kernel else torch.ops.mkldnn._reorder_linear_weight(weight, PACK_ROWS)
+        packed = pack(weight, pairs) if kernel else torch.ops.mkldnn._reorder_linear_weight(weight, PACK_ROWS)
         self.register_buffer("packed", packed, persistent=False)
         bias = None if layer.bias is None else layer.bias.detach()
         self.register_buffer("bias", bias, persistent=False)

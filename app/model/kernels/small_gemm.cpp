@@ -15,8 +15,17 @@
 // Exactness: every output is one chain of fused multiply-adds over k = 0 .. K-1 in order, the same
 // for every row count, tile and thread split, so a row's result never depends on the other rows of
 // the call (a verify's rows equal the plain steps' bit for bit). Built without -ffast-math for that.
+//
+// bfloat16 rows against bfloat16 weights, on a CPU with AVX512-BF16: the weights packed in pairs
+// along k (packed[g][k / 2][c] = W[g * GW + c][k, k + 1], zero past K and N) and each step one
+// vdpbf16ps, which adds two products of a pair to the sum at once: twice the products of an FMA per
+// instruction, where tens of rows make the step bound by arithmetic. Its chain (the pairs in order)
+// is the same for every row count, as above; its rounding is the instruction's, not an FMA chain's.
 #include <algorithm>
 #include <cstdint>
+#if defined(__AVX512BF16__)
+#include <immintrin.h>
+#endif
 #include <cstring>
 #include <thread>
 #include <vector>
@@ -44,21 +53,39 @@ inline vf load(const uint16_t* p) {  // bfloat16 -> float32: the 16 bits are the
   vu wide = __builtin_convertvector(*reinterpret_cast<const vhu*>(p), vu) << 16;
   return reinterpret_cast<vf&>(wide);
 }
+// one row's operand for a step: a float32 input, multiplied into every lane
+inline float splat(float v) { return v; }
+inline void mac(vf& acc, float s, vf w) { acc += s * w; }  // contracted to one FMA (-ffp-contract=fast)
+
+#if defined(__AVX512BF16__)
+constexpr bool PAIRS = true;
+typedef uint32_t pair;  // two bfloat16 values along k, the lower at the even k
+typedef uint32_t vpu __attribute__((vector_size(64), aligned(4)));
+inline __m512i load(const pair* p) { return reinterpret_cast<__m512i>(*reinterpret_cast<const vpu*>(p)); }
+inline __m512i splat(pair v) { return _mm512_set1_epi32(int(v)); }  // a row's pair, in every lane
+inline void mac(vf& acc, __m512i s, __m512i w) {
+  acc = reinterpret_cast<vf>(_mm512_dpbf16_ps(reinterpret_cast<__m512>(acc), reinterpret_cast<__m512bh>(s),
+                                              reinterpret_cast<__m512bh>(w)));
+}
+#else
+constexpr bool PAIRS = false;
+#endif
 
 // rows x[0 .. R) against column groups g .. g + G: G contiguous streams of weights, R * G * GROUP
 // independent accumulator chains
-template <int R, int G, typename W>
-void tile(const float* x, int64_t ldx, const W* packed, float* y, int64_t n, int64_t k_dim, int64_t g) {
+// X, W: float32 rows against float32 or bfloat16 weights, or bfloat16 pairs against pairs (k_dim pairs)
+template <int R, int G, typename X, typename W>
+void tile(const X* x, int64_t ldx, const W* packed, float* y, int64_t n, int64_t k_dim, int64_t g) {
   vf acc[R][G][GROUP] = {};
   const W* w = packed + g * k_dim * GW;
   for (int64_t k = 0; k < k_dim; ++k) {
-    float s[R];
-    for (int r = 0; r < R; ++r) s[r] = x[r * ldx + k];
+    decltype(splat(x[0])) s[R];
+    for (int r = 0; r < R; ++r) s[r] = splat(x[r * ldx + k]);
     for (int h = 0; h < G; ++h) {
       const W* wk = w + (h * k_dim + k) * GW;
       for (int j = 0; j < GROUP; ++j) {
-        const vf wj = load(wk + j * LANES);
-        for (int r = 0; r < R; ++r) acc[r][h][j] += s[r] * wj;  // contracted to one FMA (-ffp-contract=fast)
+        const auto wj = load(wk + j * LANES);
+        for (int r = 0; r < R; ++r) mac(acc[r][h][j], s[r], wj);
       }
     }
   }
@@ -73,16 +100,16 @@ void tile(const float* x, int64_t ldx, const W* packed, float* y, int64_t n, int
 }
 
 // rows x[0 .. R) against groups g0 .. g1, two at a time where registers allow
-template <int R, typename W>
-void rows(const float* x, int64_t k_dim, const W* packed, float* y, int64_t n, int64_t g0, int64_t g1) {
+template <int R, typename X, typename W>
+void rows(const X* x, int64_t k_dim, const W* packed, float* y, int64_t n, int64_t g0, int64_t g1) {
   constexpr int G = R * GROUP * 2 <= ACCUMULATORS ? 2 : 1;
   int64_t g = g0;
   for (; g + G <= g1; g += G) tile<R, G>(x, k_dim, packed, y, n, k_dim, g);
   for (; g < g1; ++g) tile<R, 1>(x, k_dim, packed, y, n, k_dim, g);
 }
 
-template <int R, typename W>
-void rows_upto(int64_t left, const float* x, int64_t k_dim, const W* packed, float* y, int64_t n, int64_t g0,
+template <int R, typename X, typename W>
+void rows_upto(int64_t left, const X* x, int64_t k_dim, const W* packed, float* y, int64_t n, int64_t g0,
                int64_t g1) {
   if constexpr (R > 0) {
     if (left == R) return rows<R>(x, k_dim, packed, y, n, g0, g1);
@@ -90,8 +117,8 @@ void rows_upto(int64_t left, const float* x, int64_t k_dim, const W* packed, flo
   }
 }
 
-template <typename W>
-void run(const float* x, int64_t m, int64_t k_dim, const W* packed, int64_t n, const float* bias, float* y,
+template <typename X, typename W>
+void run(const X* x, int64_t m, int64_t k_dim, const W* packed, int64_t n, const float* bias, float* y,
          int64_t g0, int64_t g1) {
   // row tiles of ROWS, then one of the rows left: each row's chain is the same in every instantiation
   for (int64_t g = g0; g < g1; g += BAND) {
@@ -107,8 +134,8 @@ void run(const float* x, int64_t m, int64_t k_dim, const W* packed, int64_t n, c
   }
 }
 
-template <typename W>
-void linear(const float* x, int64_t m, int64_t k_dim, const W* packed, int64_t n, const float* bias, float* y,
+template <typename X, typename W>
+void linear(const X* x, int64_t m, int64_t k_dim, const W* packed, int64_t n, const float* bias, float* y,
             int64_t threads) {
   const int64_t groups = (n + GW - 1) / GW;
   // a thread costs tens of microseconds to start: only calls that read megabytes share the work
@@ -117,7 +144,7 @@ void linear(const float* x, int64_t m, int64_t k_dim, const W* packed, int64_t n
   if (threads == 1) return run(x, m, k_dim, packed, n, bias, y, 0, groups);
   std::vector<std::thread> pool;
   for (int64_t t = 1; t < threads; ++t)
-    pool.emplace_back(run<W>, x, m, k_dim, packed, n, bias, y, groups * t / threads, groups * (t + 1) / threads);
+    pool.emplace_back(run<X, W>, x, m, k_dim, packed, n, bias, y, groups * t / threads, groups * (t + 1) / threads);
   run(x, m, k_dim, packed, n, bias, y, 0, groups / threads);
   for (auto& th : pool) th.join();
 }
@@ -130,9 +157,28 @@ void pack(const W* weight, int64_t n, int64_t k_dim, W* packed) {
     for (int64_t k = 0; k < k_dim; ++k) packed[((col / GW) * k_dim + k) * GW + col % GW] = weight[col * k_dim + k];
 }
 
+// bfloat16 weights [N, K] in pairs along k: packed[g][k / 2][c] (the even k in the lower half), K padded
+// to even with zero
+void pack_pairs(const uint16_t* weight, int64_t n, int64_t k_dim, uint32_t* packed) {
+  const int64_t groups = (n + GW - 1) / GW, pairs = (k_dim + 1) / 2;
+  std::memset(packed, 0, groups * pairs * GW * sizeof(uint32_t));
+  for (int64_t col = 0; col < n; ++col)
+    for (int64_t k = 0; k < k_dim; ++k)
+      packed[((col / GW) * pairs + k / 2) * GW + col % GW] |= uint32_t(weight[col * k_dim + k]) << (16 * (k % 2));
+}
+
 }  // namespace
 
 extern "C" {
+int64_t specserve_gemm_has_pairs() { return PAIRS; }
+void specserve_gemm_pack_pairs(const uint16_t* w, int64_t n, int64_t k, uint32_t* out) { pack_pairs(w, n, k, out); }
+// x: m rows of k_pairs bfloat16 pairs (a row of 2 * k_pairs bfloat16 values, K padded to even)
+void specserve_gemm_pairs(const uint32_t* x, int64_t m, int64_t k_pairs, const uint32_t* packed, int64_t n,
+                          const float* bias, float* y, int64_t threads) {
+#if defined(__AVX512BF16__)
+  linear(x, m, k_pairs, packed, n, bias, y, threads);
+#endif
+}
 int64_t specserve_gemm_group_width() { return GW; }
 
 void specserve_gemm_pack_f32(const float* w, int64_t n, int64_t k, float* out) { pack(w, n, k, out); }
