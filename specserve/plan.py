@@ -22,6 +22,7 @@ import torch
 import yaml
 
 from app.model.memory import CPU_DEFAULT_BYTES, DRAFT_PREFILL_TOKENS, ForwardSize, kv_bytes_per_token, working_bytes
+from app.model.runner import auto_attention
 
 MiB, GiB = 1 << 20, 1 << 30
 CONFIGS = Path(__file__).resolve().parents[1] / "cluster" / "model_configs"
@@ -106,7 +107,7 @@ def plan_model(name: str, settings, config: dict, gpu: str | None, forward_token
     weights = weights_per_rank(config, dtype, tp)
     attention = ("padded" if getattr(cfg, "sliding_window", None) or getattr(cfg, "attn_logit_softcapping", None)
                  else settings.attention if settings.attention != "auto"
-                 else "cpu_paged" if gpu is None and dtype in (torch.float32, torch.bfloat16) else "per_sequence")
+                 else auto_attention(dtype, "cuda" if gpu else "cpu", dtype in (torch.float32, torch.bfloat16)))
     max_len = settings.max_model_len or positions
     work = working_bytes(cfg, dtype, cfg.vocab_size, ForwardSize(forward_tokens, max_len, logit_rows, batch),
                          attention=attention, tp_size=tp, device_type="cuda" if gpu else "cpu")

@@ -81,3 +81,21 @@ def test_isolated_steps_run_apart_and_one_past_its_limit_is_stopped_and_reported
     assert [report[s]["ok"] for s in ("sampling", "attention")] == [False, False]
     assert "stopped after its 0.001 s" in report["attention"]["error"]
     assert "FAILED: sampling, attention" in capsys.readouterr().out
+
+
+def test_a_rerun_may_differ_only_at_a_near_tie_and_never_in_float32():
+    """The production path's rerun check: in float32 any greedy difference fails; a seeded sampled
+    request that differs is counted (its drafts may differ between runs), never passed as identical."""
+    from types import SimpleNamespace
+
+    from app.params import SamplingParams
+
+    model = gpu_check.llama(2, 64, 512, 1, torch.float32, "cpu")
+    ids = gpu_check.prompts(2, 12, 512)
+    greedy, seeded = SamplingParams(temperature=0, max_tokens=4), SamplingParams(temperature=0.8, seed=3, max_tokens=4)
+    run = lambda *tokens: [SimpleNamespace(token_ids=list(t)) for t in tokens]
+    same = gpu_check.rerun_differences(model, ids, [greedy, seeded], run([5, 6, 7], [8, 9]), run([5, 6, 7], [8, 9]))
+    assert same["identical_rerun"] == 2 and not same["rerun_failed"]
+    differ = gpu_check.rerun_differences(model, ids, [greedy, seeded], run([5, 6, 7], [8, 9]), run([5, 6, 1], [8, 2]))
+    assert differ["identical_rerun"] == 0 and differ["seeded_differing"] == 1
+    assert [d["position"] for d in differ["rerun_failed"]] == [2] and not differ["rerun_near_ties"]

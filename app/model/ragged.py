@@ -20,18 +20,18 @@ compiled graph's inputs are tensors, not Python objects. It is tagged unsafe for
 captured step (mode "reduce-overhead") replays the kernels around it and calls it live.
 
 Inside the op, attention takes one of three paths (`ModelRunner(attention=...)`):
-- "flex" (auto on CUDA): one FlexAttention call per layer over the whole pool, with a block mask
+- "flex" (opt-in): one FlexAttention call per layer over the whole pool, with a block mask
   built once per forward from the block tables: no per-sequence calls, no dense mask, no gather.
 - "cpu_paged" (auto on a CPU that can build it): the short spans (decode steps, verify rows) in one
   call per layer of a small C++ kernel reading each row's keys through its block table
   (app/model/cpu_attention.py); longer spans (prompts) one SDPA call each over their blocks in place.
 - "per_sequence": one SDPA call per sequence over its blocks in place.
-- "varlen" (opt-in on CUDA until a GPU run proves it): torch's variable-length FlashAttention
+- "varlen" (auto on CUDA for float16 and bfloat16 models): torch's variable-length FlashAttention
   (`torch.nn.attention.varlen`), one call per layer for a group of sequences whose contexts are
   gathered end to end (at most VARLEN_GATHER_TOKENS positions a group, so the gather's memory is
   bounded whatever the batch): a batch of 32 decode steps takes a few kernels a layer where
-  per_sequence takes 32 SDPA calls and their masks (on the second GPU run a 32-request batch over
-  per_sequence had not finished in a minute; the cause is not yet isolated). The kernel's paged form (a block table into the pool)
+  per_sequence takes 32 SDPA calls and their masks (on an H200, a 5-row verify of 32 sequences
+  12.1 ms against 28.5: docs/configuration.md, the third GPU run). The kernel's paged form (a block table into the pool)
   needs pages of 128-256 positions (BLOCK_SIZE is 16), hence the gather (app/model/varlen.py). On a CPU,
   where the kernel does not run, a reference of its contract (`varlen_reference`) stands in, so the
   tests check the packing.
@@ -251,6 +251,16 @@ def attend(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, layer: i
         out[:, s.offset : s.offset + s.length] = sdpa(q, k, v, s.causal_mask(q), scale, gqa,
                                                       fused_only=q.device.type == "cuda").transpose(1, 2)
     return out
+
+
+def shape_free_sdpa() -> None:
+    """Keep SDPA off cuDNN's attention, for the process: per-sequence calls meet a new (queries, keys)
+    shape nearly every call (each sequence's context grows every round), and cuDNN builds an
+    execution plan for each shape it has not seen. On an H200 (torch 2.11) cuDNN was SDPA's choice, and
+    a batch of 32 requests took 31-38 s for 16 tokens, 74 % of its samples in the SDPA call; FlashAttention
+    and the memory-efficient kernel take any shape as it comes. The flag is the process's, as are all of
+    torch's SDPA backend flags (app/model/ragged.py sdpa): a GPU replica runs one model per process."""
+    torch.backends.cuda.enable_cudnn_sdp(False)
 
 
 def sdpa(query, key, value, mask, scale: float, gqa: bool, fused_only: bool = False) -> torch.Tensor:

@@ -17,8 +17,9 @@ from app.model.cpu_linear import pack_linears
 from app.grammar import Grammars
 from app.model.kv import BLOCK_SIZE, KVStore, common_prefix
 from app.model.batches import Batch, RaggedBatch, SeqInput
-from app.model.ragged import Layout, active, supports_ragged
+from app.model.ragged import Layout, active, shape_free_sdpa, supports_ragged
 from app.model.ragged import NAME as RAGGED
+from app.model.varlen import varlen_available
 
 log = logging.getLogger(__name__)
 
@@ -101,6 +102,21 @@ class Execution:
     packed_dtype: torch.dtype | None = None
 
 
+def auto_attention(dtype: torch.dtype, device_type: str, cpu_kernel: bool) -> str:
+    """The attention path `auto` takes (app/model/ragged.py): the paged kernel on a CPU that builds it
+    (cpu_kernel); on a GPU, torch's variable-length FlashAttention, one call per layer for the batch,
+    for the dtypes it takes (float16, bfloat16), else one SDPA call per sequence. On an H200 (the third
+    GPU run, docs/configuration.md) varlen took a 5-row verify of 32 sequences in 12.1 ms against 28.5,
+    and 32 requests in 1.1 s against 1.8. FlexAttention stays opt-in: on the first GPU run inductor
+    could not lower its kernel for the pool's shapes, and new batch shapes recompiled it past dynamo's
+    limit."""
+    if device_type == "cpu" and cpu_kernel:
+        return "cpu_paged"
+    if device_type == "cuda" and dtype in (torch.float16, torch.bfloat16) and varlen_available():
+        return "varlen"
+    return "per_sequence"
+
+
 class ModelRunner:
     """Runs one model over many sequences at once, reusing each sequence's cached prefix."""
 
@@ -125,6 +141,8 @@ class ModelRunner:
         if self.ragged:
             model.config._attn_implementation = RAGGED
         self.attention = self._attention_path(execution.attention)
+        if self.device.type == "cuda" and self.ragged:
+            shape_free_sdpa()
         # CPU serving: linears on packed weights, streamed by the small-row kernel (app/model/cpu_linear.py),
         # eager and compiled alike; before the steps are built, so their head is the packed one
         compiling = execution.compile != "off" and not self._why_eager()
@@ -149,19 +167,13 @@ class ModelRunner:
                                          initializer=_note_thread, initargs=(self._thread_ident,))
 
     def _attention_path(self, attention: str) -> str:
-        """Ragged attention's path (app/model/ragged.py): the paged CPU kernel for short spans on a CPU
-        that builds it (float32 or bfloat16), else one SDPA call per sequence; FlexAttention over the
-        block pool when asked for. On the first GPU run (an H100, torch 2.11) inductor could not lower
-        the flex kernel for the pool's shapes (NoValidChoicesError) and new batch shapes recompiled it
-        past dynamo's limit, so auto no longer takes it on a GPU. varlen (one FlashAttention call per
-        layer for many sequences) is opt-in on a GPU until a run there proves it; on a CPU it runs a
-        reference."""
+        """Ragged attention's path (app/model/ragged.py): auto_attention's choice, or the one asked for."""
         if attention not in ATTENTION:
             raise ValueError(f"attention must be one of {ATTENTION}, got {attention!r}")
         if attention == "auto":  # flex is opt-in on a GPU: docs/configuration.md, "What a GPU has proven"
-            attention = ("cpu_paged" if self.ragged and cpu_attention.usable(self.model.dtype, self.device)
-                         else "per_sequence")
-        elif attention == "cpu_paged" and not cpu_attention.usable(self.model.dtype, self.device):
+            return auto_attention(self.model.dtype, self.device.type,
+                                  self.ragged and cpu_attention.usable(self.model.dtype, self.device))
+        if attention == "cpu_paged" and not cpu_attention.usable(self.model.dtype, self.device):
             raise ValueError("attention='cpu_paged' needs a float32 or bfloat16 model on a CPU and a C++ compiler")
         return attention
 

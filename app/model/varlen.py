@@ -96,6 +96,13 @@ def _cumulative(lengths: list[int]) -> list[int]:
     return out
 
 
+def varlen_available() -> bool:
+    """Whether this torch has the variable-length FlashAttention (torch.nn.attention.varlen, torch 2.10+)."""
+    import importlib.util
+
+    return importlib.util.find_spec("torch.nn.attention.varlen") is not None
+
+
 @functools.lru_cache(maxsize=None)
 def varlen_kernel(device: torch.device):
     """The varlen kernel for `device`: torch's FlashAttention varlen on CUDA (causal aligned to the
