@@ -280,10 +280,12 @@ def check_production(device: str, smoke: bool) -> dict:
 def rerun_differences(model, prompts: list[list[int]], params: list[SamplingParams], first, second) -> dict:
     """The second run against the first. A greedy request may differ only at a near-tie of the
     dtype (its first difference, as in check_identity): the two runs batch differently (the goodput
-    gate's choices follow measured times), and in bf16 a row's rounding depends on its batch's shape.
-    A seeded sampled request's path follows its drafts (which draft tokens the rejection test meets),
-    so where the gate drafted differently it may differ anywhere: counted, not failed; its exactness
-    is distributional (check_sampling, tests/test_sampling.py)."""
+    gate's choices for greedy requests follow measured times), and in bf16 a row's rounding depends on
+    its batch's shape. A seeded sampled request draws the same numbers in both runs (its K follows its
+    own history), but its tokens follow p and q at every position, which that rounding moves: a
+    draw near a boundary (u q(x) against p(x), or the inverse CDF) may go the other way, which no
+    argmax rule judges. Counted, not failed; in float32 on a CPU the suite asserts every rerun is
+    identical, and the sampler's exactness is checked on the device (check_sampling)."""
     out = {"identical_rerun": 0, "rerun_near_ties": [], "rerun_failed": [], "seeded_differing": 0}
     for ids, p, a, b in zip(prompts, params, first, second):
         if a.token_ids == b.token_ids:
