@@ -10,7 +10,7 @@ randomness is addressed by seed and position), so rank 0's answer is the group's
 import asyncio
 import os
 import socket
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import ray
 import torch
@@ -60,6 +60,59 @@ def check_divisible(path: str, n: int, trust_remote_code: bool = False) -> None:
                          f"key/value heads ({kv}); choose a divisor")
 
 
+class SentContexts:
+    """What the ranks already hold of each sequence's context, on the replica's side: a round sends a
+    sequence's tokens past those, not its whole context (at 32 sequences of 32k tokens a whole round
+    was about a million ids, pickled into the object store and read by every rank). A sequence's
+    context only grows (committed tokens never roll back; a retried request has a new id); one that
+    does not extend what was sent, by length and last token, goes whole."""
+
+    def __init__(self):
+        self._sent: dict[str, tuple[int, int]] = {}  # seq_id -> (length, last token) sent
+
+    def encode(self, items: list[VerifyItem]) -> list[tuple[int, VerifyItem]]:
+        """Per item (base, the item with its context past base): base = context tokens the ranks hold."""
+        out = []
+        for item in items:
+            ids = item.token_ids
+            n, last = self._sent.get(item.seq_id, (0, None))
+            base = n if 0 < n <= len(ids) and ids[n - 1] == last else 0
+            out.append((base, replace(item, token_ids=ids[base:])))
+            if ids:
+                self._sent[item.seq_id] = (len(ids), ids[-1])
+        return out
+
+    def drop(self, seq_id: str) -> None:
+        self._sent.pop(seq_id, None)
+
+
+class ContextMirror:
+    """Each sequence's context as a rank has received it (SentContexts's other side)."""
+
+    def __init__(self):
+        self._contexts: dict[str, list[int]] = {}
+
+    def decode(self, encoded: list[tuple[int, VerifyItem]]) -> list[VerifyItem]:
+        items = []
+        for base, item in encoded:
+            known = self._contexts.get(item.seq_id, [])
+            # the two sides disagree: the batch fails on every rank alike, a request's error, and the
+            # forward queue forgets its sequences on both sides before running it again, sent whole
+            if base > len(known):
+                raise RuntimeError(f"sequence {item.seq_id}: sent past {base} context tokens, this rank holds "
+                                   f"{len(known)}")
+            if base == len(known):
+                known.extend(item.token_ids)  # the usual round: only the new tokens are copied
+            else:
+                known = known[:base] + item.token_ids
+            self._contexts[item.seq_id] = known
+            items.append(replace(item, token_ids=list(known)))
+        return items
+
+    def drop(self, seq_id: str) -> None:
+        self._contexts.pop(seq_id, None)
+
+
 @dataclass
 class CacheSnapshot:
     """A rank's KV cache occupancy, shaped like the KVStore the server metrics read."""
@@ -96,15 +149,18 @@ class RankWorker:
         # every rank's first forward together, now: lazy CUDA, cuBLAS and NCCL set-up is paid before
         # the replica takes traffic, not by its first requests while health pings wait behind them
         warm_up(self.runner)
+        self.contexts = ContextMirror()  # the sequences' contexts: rounds send only what changed
         self.rank, self.warmed = rank, True
 
-    def verify(self, items: list[VerifyItem]) -> tuple[list[Verdict], CacheSnapshot]:
-        return verify(self.runner, items), CacheSnapshot.of(self.runner.cache)
+    def verify(self, encoded: list[tuple[int, VerifyItem]]) -> tuple[list[Verdict], CacheSnapshot]:
+        return verify(self.runner, self.contexts.decode(encoded)), CacheSnapshot.of(self.runner.cache)
 
     def release(self, seq_id: str) -> None:
+        self.contexts.drop(seq_id)
         self.runner.release(seq_id)
 
     def forget(self, seq_id: str) -> None:
+        self.contexts.drop(seq_id)
         self.runner.forget(seq_id)
 
     def stats(self) -> "CacheSnapshot":
@@ -156,6 +212,7 @@ class RankGroup:
         self.timeout_s = timeout_s
         self.failed: str | None = None
         self.cache = CacheSnapshot()  # rank 0's, as of its last answer
+        self.sent = SentContexts()  # what the ranks hold of each context
         # all loaded and warmed (or raise now): a cold pod may first download the weights (140 GB for 70B)
         ray.get([r.ready.remote() for r in self.ranks], timeout=cfg.load_timeout_s)
         self.capacity_tokens = ray.get(self.ranks[0].capacity_tokens.remote(), timeout=60)
@@ -164,8 +221,8 @@ class RankGroup:
         """Call every rank; rank 0's result. A dead or hung rank fails the whole replica."""
         if self.failed:
             raise RankFailure(self.failed)
-        # the arguments serialised once into the object store, not once per rank (a verify batch holds
-        # every sequence's context): each rank receives the same object
+        # the arguments serialised once into the object store, not once per rank: each rank receives
+        # the same object
         shared = [ray.put(a) for a in args] if args and len(self.ranks) > 1 else list(args)
         refs = [getattr(r, method).remote(*shared) for r in self.ranks]
         try:
@@ -179,13 +236,15 @@ class RankGroup:
             raise RankFailure(self.failed) from e
 
     async def verify(self, items: list[VerifyItem]) -> list[Verdict]:
-        verdicts, self.cache = await self._all("verify", items)
+        verdicts, self.cache = await self._all("verify", self.sent.encode(items))
         return verdicts
 
     async def release(self, seq_id: str) -> None:
+        self.sent.drop(seq_id)
         await self._all("release", seq_id)
 
     async def forget(self, seq_id: str) -> None:
+        self.sent.drop(seq_id)
         await self._all("forget", seq_id)
 
     async def stats(self) -> CacheSnapshot:
