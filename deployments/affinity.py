@@ -7,7 +7,9 @@ sequence goes to the member with the fewest of this replica's sequences, and whe
 busiest homes hand their excess to the new members (M:N pairing under autoscaling). If a home cannot
 take the request (queue full) or is gone, the others are tried least-loaded first via Serve's
 power-of-two fallback. Affinity is a speed-up only: any replica computes the same answer from the
-full token ids, so a sequence that moves re-prefills its draft cache once and its output is unchanged.
+full token ids (a call carries each sequence's new tokens, and a replica that lacks the rest says
+so and gets them: deployments/contexts.py), so a sequence that moves re-prefills its draft cache
+once and its output is unchanged.
 """
 
 import hashlib

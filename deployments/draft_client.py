@@ -16,6 +16,7 @@ from app.coalesce import MicroBatcher
 from app.speculation.driver import DraftUnavailable
 from app.speculation.steps import Proposal, ProposeItem, family, parent_of
 from deployments.affinity import Calls, Homes, members
+from deployments.contexts import ContextUnknown, SentContexts
 from deployments.dispatch import own_serve_request
 
 log = logging.getLogger("ray.serve")
@@ -36,24 +37,39 @@ class DraftClient:
         self.moved = 0  # sequences moved to another draft replica when the pool changed
         self._calls = MicroBatcher(self._call, max_batch)
         self._releases: set[asyncio.Task] = set()
+        self.sent = SentContexts()  # each sequence's context as sent: a call carries only the new tokens
+        self.resent = 0  # items a draft replica did not hold the context of, sent again whole
 
     def _call(self, items: list[ProposeItem], home: str | None):
         with own_serve_request():  # several calls of one target request may be in flight at once
-            return self.handle.propose_many.remote(Calls(items, home, wait_share=self.wait_share()))
+            return self.handle.propose_many.remote(Calls(self.sent.encode(items), home, wait_share=self.wait_share()))
+
+    async def _ask(self, item: ProposeItem, home: str | None) -> Proposal:
+        """One proposal; sent again whole where the replica that took the call lacked its context (the
+        call went elsewhere than before, or the replica let the context go)."""
+        try:
+            return await self._calls.submit(item, home)
+        except ContextUnknown:
+            self.resent += 1
+            self.sent.drop(item.seq_id)
+            return await self._calls.submit(item, home)
 
     async def submit(self, item: ProposeItem) -> Proposal:
         pool = self.pool()
         for old, seq_ids in self.homes.settle(pool).items():  # the pool changed: free what moved away
             self.moved += len(seq_ids)
+            for branch in (b for seq_id in seq_ids for b in family(seq_id)):  # their new home holds no context
+                self.sent.drop(branch)
             task = asyncio.ensure_future(self._release(seq_ids, old))
             self._releases.add(task)
             task.add_done_callback(self._releases.discard)
         request = parent_of(item.seq_id)  # a request's branches live where its own cache does
         home = self.homes.place(request, pool)
         try:
-            proposal = await self._calls.submit(item, home)
+            proposal = await self._ask(item, home)
         except Exception as e:  # a dead replica, an overloaded pool, a bad answer: all fail open
             self.homes.forget(request)  # its home may be gone: let the next call be placed afresh
+            self.sent.drop(item.seq_id)
             log.warning("draft pool failed for %s: %s", item.seq_id, type(e).__name__)
             raise DraftUnavailable(f"{type(e).__name__}: {e}") from e
         if "replica" in proposal.stats:
@@ -63,6 +79,8 @@ class DraftClient:
     async def release(self, seq_id: str) -> None:
         """Free the request's draft caches (its own and its branches') on its home replica; a gone
         replica took them along."""
+        for branch in family(seq_id):
+            self.sent.drop(branch)
         await self._release(family(seq_id), self.homes.forget(seq_id))
 
     async def _release(self, seq_ids: list[str], home: str | None) -> None:

@@ -30,6 +30,7 @@ from app.speculation.steps import Proposal, verify, verify_tokens
 from app.speculation.drafting import propose
 from deployments.affinity import Calls
 from deployments.autoscaling import CallerWaits, Observers, RoundLoad
+from deployments.contexts import ContextMirror, answer
 from deployments.args import (
     BatchConfig,
     ModelConfig,
@@ -132,11 +133,13 @@ class DraftServer(_Server):
                                  self._release, BatchBudget(batch.max_batch_size), "DraftServer.propose",
                                  self.runner.forget)
         self.callers = CallerWaits()
+        self.contexts = ContextMirror()  # the sequences' contexts: a call sends each one's new tokens
 
     async def propose_many(self, calls: Calls) -> list[Proposal | BaseException]:
-        """A target replica's proposals of one step: each joins the forward queue; one that fails fails alone."""
+        """A target replica's proposals of one step (deployments/contexts.py Deltas): each joins the
+        forward queue; one that fails fails alone, one whose context this replica lacks is asked again whole."""
         self.callers.add(calls.wait_share)
-        return await asyncio.gather(*(self.queue.submit(item) for item in calls.items), return_exceptions=True)
+        return await answer(self.contexts, calls.items, self.queue.submit)
 
     async def record_autoscaling_stats(self) -> dict[str, float]:
         """The draft pool's signals since the last call (deployments/autoscaling.py)."""
@@ -147,6 +150,7 @@ class DraftServer(_Server):
     async def release(self, seq_ids: Calls) -> None:
         """Free finished or cancelled sequences' caches (and again after a forward still computing them)."""
         for seq_id in seq_ids.items:
+            self.contexts.drop(seq_id)
             await self.queue.release(seq_id)
 
 

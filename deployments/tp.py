@@ -10,7 +10,7 @@ randomness is addressed by seed and position), so rank 0's answer is the group's
 import asyncio
 import os
 import socket
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import ray
 import torch
@@ -24,6 +24,7 @@ from app.model.loading import load_runner, warm_up
 from app.model.memory import agree_on_budget
 from app.speculation.steps import Verdict, VerifyItem, verify
 from deployments.args import TargetConfig
+from deployments.contexts import ContextMirror, ContextUnknown, Delta, SentContexts
 
 
 class RankFailure(ReplicaFault):
@@ -58,59 +59,6 @@ def check_divisible(path: str, n: int, trust_remote_code: bool = False) -> None:
     if heads is None or heads % n or kv % n:
         raise ValueError(f"tensor_parallel_size={n} must divide the target's attention heads ({heads}) and "
                          f"key/value heads ({kv}); choose a divisor")
-
-
-class SentContexts:
-    """What the ranks already hold of each sequence's context, on the replica's side: a round sends a
-    sequence's tokens past those, not its whole context (at 32 sequences of 32k tokens a whole round
-    was about a million ids, pickled into the object store and read by every rank). A sequence's
-    context only grows (committed tokens never roll back; a retried request has a new id); one that
-    does not extend what was sent, by length and last token, goes whole."""
-
-    def __init__(self):
-        self._sent: dict[str, tuple[int, int]] = {}  # seq_id -> (length, last token) sent
-
-    def encode(self, items: list[VerifyItem]) -> list[tuple[int, VerifyItem]]:
-        """Per item (base, the item with its context past base): base = context tokens the ranks hold."""
-        out = []
-        for item in items:
-            ids = item.token_ids
-            n, last = self._sent.get(item.seq_id, (0, None))
-            base = n if 0 < n <= len(ids) and ids[n - 1] == last else 0
-            out.append((base, replace(item, token_ids=ids[base:])))
-            if ids:
-                self._sent[item.seq_id] = (len(ids), ids[-1])
-        return out
-
-    def drop(self, seq_id: str) -> None:
-        self._sent.pop(seq_id, None)
-
-
-class ContextMirror:
-    """Each sequence's context as a rank has received it (SentContexts's other side)."""
-
-    def __init__(self):
-        self._contexts: dict[str, list[int]] = {}
-
-    def decode(self, encoded: list[tuple[int, VerifyItem]]) -> list[VerifyItem]:
-        items = []
-        for base, item in encoded:
-            known = self._contexts.get(item.seq_id, [])
-            # the two sides disagree: the batch fails on every rank alike, a request's error, and the
-            # forward queue forgets its sequences on both sides before running it again, sent whole
-            if base > len(known):
-                raise RuntimeError(f"sequence {item.seq_id}: sent past {base} context tokens, this rank holds "
-                                   f"{len(known)}")
-            if base == len(known):
-                known.extend(item.token_ids)  # the usual round: only the new tokens are copied
-            else:
-                known = known[:base] + item.token_ids
-            self._contexts[item.seq_id] = known
-            items.append(replace(item, token_ids=list(known)))
-        return items
-
-    def drop(self, seq_id: str) -> None:
-        self._contexts.pop(seq_id, None)
 
 
 @dataclass
@@ -152,8 +100,14 @@ class RankWorker:
         self.contexts = ContextMirror()  # the sequences' contexts: rounds send only what changed
         self.rank, self.warmed = rank, True
 
-    def verify(self, encoded: list[tuple[int, VerifyItem]]) -> tuple[list[Verdict], CacheSnapshot]:
-        return verify(self.runner, self.contexts.decode(encoded)), CacheSnapshot.of(self.runner.cache)
+    def verify(self, encoded: list[Delta]) -> tuple[list[Verdict], CacheSnapshot]:
+        """The round's items rebuilt from the contexts this rank holds (deployments/contexts.py). Where it
+        cannot, every rank alike fails the batch as a request's error: the forward queue forgets its
+        sequences on both sides and runs it again, sent whole."""
+        items = self.contexts.decode(encoded)
+        if unknown := next((i for i in items if isinstance(i, ContextUnknown)), None):
+            raise unknown
+        return verify(self.runner, items), CacheSnapshot.of(self.runner.cache)
 
     def release(self, seq_id: str) -> None:
         self.contexts.drop(seq_id)

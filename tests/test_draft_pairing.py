@@ -5,7 +5,6 @@ DraftClient over a stand-in draft pool whose replicas (real draft runners) join 
 middle of a generation, and check that output does not change and caches move as little as claimed.
 """
 
-import asyncio
 import functools
 from collections import Counter
 from types import SimpleNamespace
@@ -20,6 +19,7 @@ from app.scheduler import ForwardQueue, in_thread
 from app.speculation.drafting import propose
 from conftest import blend
 from deployments.affinity import Homes
+from deployments.contexts import ContextMirror, answer
 from deployments.draft_client import DraftClient
 
 PROMPTS = [[20 + i, 30 + i, 40, 41, 42 + i] for i in range(6)]
@@ -114,6 +114,10 @@ class Replica:
                                   name=name, extra_stats={"replica": name}, forget=self.runner.forget)
         self.gone = False
         self.arrivals: Counter[str] = Counter()  # calls that found no draft cache of their sequence here
+        self.contexts = ContextMirror()  # as DraftServer: a call carries each sequence's new tokens
+
+    async def propose_many(self, items):
+        return await answer(self.contexts, items, self.propose)
 
     async def propose(self, item):
         if item.seq_id not in self.runner.cache:
@@ -130,6 +134,7 @@ class Pool:
 
     def __init__(self, make, names, events=None):
         self.make, self.events, self.calls = make, dict(events or {}), 0
+        self.sent_ids = self.context_ids = 0  # context ids sent, and the contexts they stood for
         self.replicas = {n: make(n) for n in names}
         self.propose_many = SimpleNamespace(remote=self._propose_many)
         self.release = SimpleNamespace(remote=self._release)
@@ -152,11 +157,14 @@ class Pool:
         if action := self.events.pop(self.calls, None):
             action(self)
         replica = self._route(calls.replica_hint)
-        return await asyncio.gather(*(replica.propose(it) for it in calls.items), return_exceptions=True)
+        self.sent_ids += sum(len(d.item.token_ids) for d in calls.items)
+        self.context_ids += sum(d.base + len(d.item.token_ids) for d in calls.items)
+        return await replica.propose_many(calls.items)
 
     async def _release(self, calls):
         if calls.replica_hint in self.replicas:
             for seq_id in calls.items:
+                self.replicas[calls.replica_hint].contexts.drop(seq_id)
                 self.replicas[calls.replica_hint].runner.release(seq_id)
 
 
@@ -217,4 +225,7 @@ def test_draft_replicas_joining_and_leaving_mid_generation_change_no_output(targ
     for seq_id in set(a) | set(b) | set(c):
         assert a[seq_id] + b[seq_id] + c[seq_id] <= 2, (seq_id, a[seq_id], b[seq_id], c[seq_id])
     assert client.moved >= 1
+    # each call carried the new tokens of its sequences: whole contexts only where one started or
+    # moved (client.resent: a call that found a replica without its context, sent again whole)
+    assert pool.sent_ids < pool.context_ids / 3, (pool.sent_ids, pool.context_ids)
     assert sum(r.speculation.get("drafted_tokens", 0) for r in scaled) > 0
