@@ -9,8 +9,10 @@ import time
 import httpx
 import psutil
 import pytest
+import yaml
 
-from serving import free_port, save_tiny_pair
+from cluster.local import load_config
+from serving import free_port, quick_shutdown, save_tiny_pair
 
 pytestmark = pytest.mark.slow
 
@@ -18,8 +20,11 @@ pytestmark = pytest.mark.slow
 def test_sigterm_stops_the_app_and_its_cluster_and_exits_0(tmp_path):
     target, draft = save_tiny_pair(tmp_path)
     port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "specserve.cli", "serve", "--target", target, "--draft", draft,
-                             "--port", str(port), "--host", "127.0.0.1"],
+    # the shipped config, its steps eager and its replicas quick to drain: what is tested is the stop
+    config = quick_shutdown(load_config(args={"target": {"compile": "off"}, "draft": {"compile": "off"}}))
+    (tmp_path / "serve.yaml").write_text(yaml.safe_dump(config))
+    proc = subprocess.Popen([sys.executable, "-m", "specserve.cli", "serve", "--config", str(tmp_path / "serve.yaml"),
+                             "--target", target, "--draft", draft, "--port", str(port), "--host", "127.0.0.1"],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
                             env={**os.environ, "RAY_AUTH_MODE": "disabled"})
     try:
