@@ -175,8 +175,9 @@ def _merge(base: dict, extra: dict) -> dict:
     return out
 
 
-def deploy(config: dict, timeout_s: float = 600) -> None:
-    """Deploy a Serve config dict on the connected cluster and wait until it runs (as `serve run` does)."""
+def deploy(config: dict, timeout_s: float = 600, progress=None, every_s: float = 30.0) -> None:
+    """Deploy a Serve config dict on the connected cluster and wait until it runs (as `serve run` does).
+    `progress(line)`, if given, hears every `every_s` seconds which deployments are still starting."""
     from ray import serve
     from ray.serve._private import api as serve_api  # what `serve run CONFIG` calls; no public equivalent
     from ray.serve.schema import ServeDeploySchema
@@ -186,7 +187,8 @@ def deploy(config: dict, timeout_s: float = 600) -> None:
     client = serve_api.serve_start(http_options=config.get("http_options", {}))
     client.deploy_apps(schema, _blocking=False)
     name = config["applications"][0]["name"]
-    deadline = time.monotonic() + timeout_s
+    started = time.monotonic()
+    deadline, said = started + timeout_s, started
     wanted = {d["name"] for d in config["applications"][0].get("deployments", [])}
     while time.monotonic() < deadline:
         app = serve.status().applications.get(name)
@@ -197,6 +199,12 @@ def deploy(config: dict, timeout_s: float = 600) -> None:
             return
         if app is not None and app.status in ("DEPLOY_FAILED", "UNHEALTHY"):
             raise RuntimeError(f"application {name} failed: {app.message}")
+        if progress and time.monotonic() - said >= every_s and app is not None:
+            said = time.monotonic()
+            waiting = sorted(d for d in wanted if d not in app.deployments
+                             or not app.deployments[d].replica_states.get("RUNNING", 0))
+            progress(f"  {said - started:4.0f} s: starting {', '.join(waiting) or name} (loading the models and "
+                     "compiling their steps; a first start compiles, later ones reuse torch's cache)")
         time.sleep(0.5)
     raise TimeoutError(f"application {name} not running after {timeout_s}s")
 

@@ -40,6 +40,9 @@ def cmd_demo_models(args) -> int:
     return build_cli(args)
 
 
+FIRST_START_S = 1800  # how long `serve` waits for every replica to run
+
+
 def cmd_serve(args) -> int:
     """Start a local multi-node Ray cluster and the app; stop both on Ctrl-C or SIGTERM (exit 0)."""
     from cluster.local import LocalCluster, deploy, fit_to_cores, load_config, stop_on_signals
@@ -60,7 +63,9 @@ def cmd_serve(args) -> int:
     stop = stop_on_signals()  # a signal while the cluster starts: it stops as soon as it is up
     with LocalCluster():
         stop_on_signals(stop)
-        deploy(config)
+        # a first start on a machine compiles every model's steps: on a 2-core EPYC without AVX-512 and
+        # an empty inductor cache that outlasted deploy's 10 minutes
+        deploy(config, timeout_s=FIRST_START_S, progress=lambda line: print(line, flush=True))
         url = f"http://{args.host}:{args.port}"
         name = config["applications"][0]["args"].get("served_model_name") or _served_name(config)
         print(f"\nspecserve is up at {url}  (OpenAI-compatible; Ctrl-C stops it)\n", flush=True)

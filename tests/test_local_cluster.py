@@ -71,3 +71,28 @@ def test_serve_on_a_small_machine_caps_each_pool_at_half_its_cores():
     roomy = load_config()
     assert fit_to_cores(roomy, cores=16) == []
     assert roomy == load_config()
+
+
+def test_deploy_says_which_deployments_are_still_starting(monkeypatch):
+    """A first start compiles every model's steps for minutes: deploy reports what it still waits for."""
+    from types import SimpleNamespace
+
+    from ray import serve
+    from ray.serve._private import api as serve_api
+
+    def app(running: set[str]):
+        deployments = {d: SimpleNamespace(replica_states={"RUNNING": 1} if d in running else {"STARTING": 1})
+                       for d in ("TargetServer", "DraftServer")}
+        return SimpleNamespace(applications={"specserve": SimpleNamespace(
+            status="RUNNING" if len(running) == 2 else "DEPLOYING", deployments=deployments, message="")})
+
+    states = iter([app(set()), app({"DraftServer"}), app({"DraftServer", "TargetServer"})])
+    monkeypatch.setattr(serve, "status", lambda: next(states))
+    monkeypatch.setattr(serve_api, "serve_start", lambda **kw: SimpleNamespace(deploy_apps=lambda *a, **k: None))
+    monkeypatch.setattr(local.time, "sleep", lambda s: None)
+    config = {"applications": [{"name": "specserve", "import_path": "x:y", "route_prefix": "/",
+                                "deployments": [{"name": "TargetServer"}, {"name": "DraftServer"}]}]}
+    lines = []
+    local.deploy(config, timeout_s=60, progress=lines.append, every_s=0)
+    assert len(lines) == 2 and "DraftServer, TargetServer" in lines[0] and "DraftServer" not in lines[1]
+    assert "TargetServer" in lines[1]
