@@ -8,7 +8,7 @@ import torch
 
 from app.params import SamplingParams
 from app.speculation.steps import Proposal, VerifyItem
-from deployments.contexts import ContextMirror, ContextUnknown, SentContexts, answer
+from deployments.contexts import ContextMirror, ContextUnknown, SentContexts, answer, shared_prefix
 
 EMPTY = Proposal([], torch.zeros(0, 1, dtype=torch.long), torch.zeros(0, 1))
 
@@ -45,14 +45,32 @@ def test_a_rebuilt_item_owns_its_list():
     assert first.token_ids == [1, 2, 3]  # the mirror grew; the item handed out before did not
 
 
-def test_a_context_that_does_not_extend_what_was_sent_goes_whole():
+def test_a_context_that_diverges_from_what_was_sent_builds_on_what_they_share():
+    """A context drafted ahead ends in a guessed token; the next may replace it: the shared tokens stay."""
+    sent, rank = SentContexts(), ContextMirror()
+    rank.decode(sent.encode([item("a", [1, 2, 3, 7])]))
+    (d,) = sent.encode([item("a", [1, 2, 3, 9, 4])])  # the guess 7 was wrong
+    assert (d.base, d.item.token_ids) == (3, [9, 4])
+    assert rank.decode([d])[0].token_ids == [1, 2, 3, 9, 4]
+    (d,) = sent.encode([item("a", [5, 6])])  # nothing shared: whole
+    assert (d.base, d.after, d.item.token_ids) == (0, 0, [5, 6]) and rank.decode([d])[0].token_ids == [5, 6]
+    assert shared_prefix(list(range(1000)), list(range(700)) + [0] * 300) == 700
+
+
+def test_calls_that_arrive_out_of_order_are_asked_for_whole_never_rebuilt_wrong():
+    """A cancelled call still in flight lands after a newer one: its receiver holds another version
+    than the next delta was cut against, even where the tokens at the cut agree."""
     sent, rank = SentContexts(), ContextMirror()
     rank.decode(sent.encode([item("a", [1, 2, 3])]))
-    (d,) = sent.encode([item("a", [1, 2, 9, 4])])  # the last sent token changed: whole
-    assert d.base == 0 and d.item.token_ids == [1, 2, 9, 4]
-    assert rank.decode([d])[0].token_ids == [1, 2, 9, 4]
-    (d,) = sent.encode([item("a", [1, 2, 9, 4, 5])])
-    assert (d.base, d.last, d.item.token_ids) == (4, 4, [5])
+    ahead = sent.encode([item("a", [1, 2, 3, 7, 8])])  # drafted ahead on a guess, then cancelled
+    current = sent.encode([item("a", [1, 2, 3, 9, 8])])
+    rank.decode(current)
+    rank.decode(ahead)  # the stale call arrives last
+    (d,) = sent.encode([item("a", [1, 2, 3, 9, 8, 5])])
+    (out,) = rank.decode([d])
+    assert isinstance(out, ContextUnknown)  # not [1, 2, 3, 7, 8, 5]
+    sent.drop("a")
+    assert rank.decode(sent.encode([item("a", [1, 2, 3, 9, 8, 5])]))[0].token_ids == [1, 2, 3, 9, 8, 5]
 
 
 def test_a_receiver_without_the_context_says_so_per_item_and_the_item_goes_whole_again():
@@ -65,9 +83,6 @@ def test_a_receiver_without_the_context_says_so_per_item_and_the_item_goes_whole
     (d,) = sent.encode([item("a", [1, 2, 3, 4])])
     assert d.base == 0 and other.decode([d])[0].token_ids == [1, 2, 3, 4]
     assert other.decode([sent.encode([item("a", [1, 2, 3, 4, 5])])[0]])[0].token_ids == [1, 2, 3, 4, 5]
-    diverged = ContextMirror()  # holds as many tokens, but not the ones the sender built on
-    diverged.decode([SentContexts().encode([item("a", [1, 2, 3, 9])])[0]])
-    assert isinstance(diverged.decode([sent.encode([item("a", [1, 2, 3, 4, 5, 6])])[0]])[0], ContextUnknown)
 
 
 def test_the_mirror_keeps_at_most_its_bound_of_sequences():
@@ -89,6 +104,6 @@ def test_answer_submits_what_it_rebuilds_and_fails_items_alone():
 
     encoded = sent.encode([item("a", [1, 2, 3]), item("bad", [3])])
     unknown = SentContexts().encode([item("z", [9])])[0]
-    unknown.base, unknown.last = 5, 1  # builds on what no one holds
+    unknown.base, unknown.after = 5, 12345  # builds on a version no one holds
     out = asyncio.run(answer(rank, encoded + [unknown], submit))
     assert out[0] == [1, 2, 3] and isinstance(out[1], ValueError) and isinstance(out[2], ContextUnknown)
