@@ -27,15 +27,20 @@ class ModelSettings(BaseModel):
     trust_remote_code: bool = Field(False, description="Run code shipped with the weights; off unless you trust them.")
     compile: Literal["off", "default", "reduce-overhead"] = Field(
         "off", description="Steps of up to compile_max_tokens positions as torch.compile graphs over static token "
-        "counts (powers of two), compiled before the replica takes traffic; larger forwards run eagerly. "
+        "counts (powers of two); larger forwards run eagerly (compile_in_background says when they are built). "
         "reduce-overhead replays the graphs as CUDA graphs on a GPU. CPU needs a C++ compiler; without one, eager.")
     compile_max_tokens: int = Field(128, ge=1, description="Largest compiled step, positions per forward.")
+    compile_in_background: bool = Field(
+        True, description="A served replica on a CPU takes traffic at once on eager forwards and compiles its "
+        "steps in a thread of its own, taking them (after the same check) once all are built; false: it "
+        "compiles before taking traffic. A GPU compiles before traffic either way (CUDA graphs are recorded "
+        "on the forward thread).")
     attention: Literal["auto", "flex", "cpu_paged", "per_sequence", "varlen"] = Field(
         "auto", description="How attention reads the paged KV cache: flex = one FlexAttention call per layer "
-        "(opt-in: not yet proven on a GPU); cpu_paged = decode and verify rows in one call per layer of a C++ kernel built on "
-        "the machine (auto on a CPU with a compiler, float32); per_sequence = one SDPA call per sequence (auto "
-        "elsewhere, a GPU included); varlen = torch's variable-length FlashAttention, one call per layer for "
-        "up to 65536 gathered context positions (opt-in: not yet proven on a GPU; a CPU runs a reference).")
+        "(opt-in: not yet proven on a GPU); cpu_paged = decode and verify rows in one call per layer of a C++ "
+        "kernel built on the machine (auto on a CPU with a compiler); varlen = torch's variable-length "
+        "FlashAttention, one call per layer for up to 65536 gathered context positions (auto on a GPU in float16 "
+        "or bfloat16; a CPU runs a reference); per_sequence = one SDPA call per sequence (auto elsewhere).")
     max_model_len: int | None = Field(
         None, ge=1, description="Longest sequence (prompt and output) served, in tokens. The memory model "
         "sizes attention's buffers for it, and a replica whose KV cache cannot hold one sequence of it refuses "

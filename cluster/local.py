@@ -203,10 +203,42 @@ def deploy(config: dict, timeout_s: float = 600, progress=None, every_s: float =
             said = time.monotonic()
             waiting = sorted(d for d in wanted if d not in app.deployments
                              or not app.deployments[d].replica_states.get("RUNNING", 0))
-            progress(f"  {said - started:4.0f} s: starting {', '.join(waiting) or name} (loading the models and "
-                     "compiling their steps; a first start compiles, later ones reuse torch's cache)")
+            progress(f"  {said - started:4.0f} s: starting {', '.join(waiting) or name} (loading the models; a "
+                     "first start on a machine also builds its kernels, and compiles steps before traffic "
+                     "where compile_in_background is off)")
         time.sleep(0.5)
     raise TimeoutError(f"application {name} not running after {timeout_s}s")
+
+
+def steps_status(name: str, deployments=("TargetServer", "DraftServer")) -> dict[str, str]:
+    """What each model server of application `name` runs its forwards on (ModelRunner.compile_status:
+    "compiling i/n", "compiled" or "eager"), asked of one replica of each; a server not answering is left out."""
+    from ray import serve
+
+    out = {}
+    for d in deployments:
+        try:
+            out[d] = serve.get_deployment_handle(d, name).stats.remote().result(timeout_s=10)["steps"]
+        except Exception:  # absent (no draft), restarting, or busy past the timeout: asked again later
+            pass
+    return out
+
+
+def watch_steps(name: str, stop: threading.Event, progress, every_s: float = 30.0) -> None:
+    """Until `stop` is set: every `every_s` seconds, while a server still compiles its steps in the
+    background (it serves eagerly meanwhile), say how far each has got; say once when none does."""
+    started = time.monotonic()
+    while not stop.wait(every_s):
+        status = steps_status(name)
+        building = {d: s for d, s in status.items() if s.startswith("compiling")}
+        if not building and status:
+            progress(f"  {time.monotonic() - started:4.0f} s after start: steps "
+                     + ", ".join(f"{d} {s}" for d, s in sorted(status.items())))
+            stop.wait()
+            return
+        if building:
+            progress(f"  {time.monotonic() - started:4.0f} s after start: serving on eager forwards while "
+                     "compiling steps: " + ", ".join(f"{d} {s.split()[-1]}" for d, s in sorted(building.items())))
 
 
 def stop_on_signals(stop: threading.Event | None = None) -> threading.Event:

@@ -102,11 +102,12 @@ class _Server:
         return self.queue.served
 
     async def stats(self) -> dict:
-        """KV cache occupancy of this replica."""
+        """KV cache occupancy of this replica, and its steps (ModelRunner.compile_status)."""
         cache = self.cache
         return {"replica": self.replica_id, "node_id": ray.get_runtime_context().get_node_id(),
                 "kv_cache_bytes": cache.nbytes, "sequences": len(cache), "evictions": cache.evictions,
-                "prefix_hit_tokens": cache.prefix_hit_tokens, "served": self.served}
+                "prefix_hit_tokens": cache.prefix_hit_tokens, "served": self.served,
+                "steps": self.runner.compile_status if self.runner is not None else "eager"}
 
     async def check_health(self) -> None:
         """Serve's health check: the model must be loaded, and no forward may have hit a device fault."""

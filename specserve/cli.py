@@ -45,7 +45,7 @@ FIRST_START_S = 1800  # how long `serve` waits for every replica to run
 
 def cmd_serve(args) -> int:
     """Start a local multi-node Ray cluster and the app; stop both on Ctrl-C or SIGTERM (exit 0)."""
-    from cluster.local import LocalCluster, deploy, fit_to_cores, load_config, stop_on_signals
+    from cluster.local import LocalCluster, deploy, fit_to_cores, load_config, stop_on_signals, watch_steps
 
     overrides: dict = {"pair": _pair_name(args)}
     if args.target:
@@ -72,7 +72,7 @@ def cmd_serve(args) -> int:
         print(f"curl -s {url}/v1/completions -H 'Content-Type: application/json' \\\n"
               f"  -d '{{\"model\": \"{name}\", \"prompt\": \"def fibonacci(n):\", \"max_tokens\": 48, "
               f"\"temperature\": 0}}'\n", flush=True)
-        stop.wait()
+        watch_steps(config["applications"][0]["name"], stop, lambda line: print(line, flush=True))
         print("stopping the app and the cluster...", flush=True)
     return 0
 

@@ -2,6 +2,7 @@
 compiled step cannot be trusted or built."""
 
 import logging
+import threading
 
 import pytest
 import torch
@@ -131,3 +132,46 @@ def test_compiled_logits_may_break_a_near_tie_of_their_dtype_but_no_more():
     assert not compiled.agrees(eager_gap, flipped, torch.bfloat16)[0]
     assert not compiled.agrees(eager, eager * 2, torch.bfloat16)[0]
     assert compiled.agrees(eager, eager.clone(), torch.float32) == (True, 0.0)
+
+
+def test_a_runner_serves_eagerly_while_its_steps_compile_in_the_background(pair, tokenizer):
+    """warm(background=True) returns before a step is built; forwards meanwhile are the eager ones,
+    while the build waits and while it runs beside them; once built and checked, the steps are taken
+    between two forwards and give the eager tokens."""
+    eager = warm_runners(pair, tokenizer, "off")[0]
+    runner = ModelRunner(pair[0], tokenizer, Execution(compile="default", compile_max_tokens=MAX))
+    hold = threading.Event()
+    runner.on_thread(runner.warm, lambda message: hold.wait(), True)
+    assert runner.steps is None and runner.compile_status.startswith("compiling")
+
+    def same_as_eager(i: int) -> None:
+        seq = SeqInput(f"s{i}", [5 + i % 50, 9, 30], 2)
+        torch.testing.assert_close(runner.forward([seq])[0], eager.forward([seq])[0], rtol=1e-4, atol=1e-4)
+
+    for i in range(3):  # the build held before its first bucket: eager forwards
+        same_as_eager(i)
+        assert runner.steps is None
+    hold.set()
+    for i in range(3, 400):  # bounded: forwards beside the build until it ends
+        if not runner.compile_thread.is_alive():
+            break
+        same_as_eager(i)
+    runner.compile_thread.join(timeout=600)
+    assert runner.compile_status == "compiled" and runner.steps is not None
+    out = Engine(runner, None).generate(PROMPTS, greedy())
+    for c in out:
+        assert c.token_ids == reference(pair[0], c.prompt_token_ids, 24)
+
+
+def test_a_background_build_that_fails_leaves_the_runner_eager(pair, tokenizer, caplog):
+    runner = ModelRunner(pair[1], tokenizer, Execution(compile="default", compile_max_tokens=MAX))
+
+    def fail(message):
+        raise RuntimeError("no room to compile")
+
+    with caplog.at_level(logging.WARNING):
+        runner.on_thread(runner.warm, fail, True)
+        runner.compile_thread.join(timeout=600)
+    assert runner.steps is None and runner.compile_status == "eager"
+    assert "no room to compile" in caplog.text
+    assert runner.forward([SeqInput("a", [5, 6, 7], 1)])[0].shape == (1, runner.vocab_size)

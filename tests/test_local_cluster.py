@@ -74,7 +74,7 @@ def test_serve_on_a_small_machine_caps_each_pool_at_half_its_cores():
 
 
 def test_deploy_says_which_deployments_are_still_starting(monkeypatch):
-    """A first start compiles every model's steps for minutes: deploy reports what it still waits for."""
+    """A first start loads the models and builds kernels for minutes: deploy reports what it still waits for."""
     from types import SimpleNamespace
 
     from ray import serve
@@ -96,3 +96,25 @@ def test_deploy_says_which_deployments_are_still_starting(monkeypatch):
     local.deploy(config, timeout_s=60, progress=lines.append, every_s=0)
     assert len(lines) == 2 and "DraftServer, TargetServer" in lines[0] and "DraftServer" not in lines[1]
     assert "TargetServer" in lines[1]
+
+
+def test_serve_says_how_far_the_background_compile_has_got_then_once_that_it_is_done(monkeypatch):
+    import threading
+
+    stop = threading.Event()
+    answers = iter([{"TargetServer": "compiling 2/8", "DraftServer": "compiling 5/8"},
+                    {"TargetServer": "compiling 7/8", "DraftServer": "compiled"},
+                    {}, {"TargetServer": "compiled", "DraftServer": "compiled"}])
+
+    def status(name):
+        out = next(answers)
+        if out.get("TargetServer") == "compiled":
+            stop.set()  # what Ctrl-C does: the watch must then return
+        return out
+
+    monkeypatch.setattr(local, "steps_status", status)
+    lines = []
+    local.watch_steps("specserve", stop, lines.append, every_s=0)
+    assert len(lines) == 3, lines
+    assert "DraftServer 5/8, TargetServer 2/8" in lines[0] and "TargetServer 7/8" in lines[1]
+    assert "DraftServer" not in lines[1] and "DraftServer compiled, TargetServer compiled" in lines[2]

@@ -1,6 +1,7 @@
 """End to end over HTTP on a local two-node cluster, with the official openai client."""
 
 import asyncio
+import time
 
 import httpx
 import openai
@@ -268,6 +269,21 @@ def test_replicas_run_on_their_pools(app):
         assert pool in nodes[stats["node_id"]], f"{name} landed on a node without {pool}"
         other = "target_pool" if pool == "draft_pool" else "draft_pool"
         assert other not in nodes[stats["node_id"]]
+
+
+def test_the_replicas_take_their_compiled_steps_and_keep_the_targets_tokens(app, client, reference):
+    """Each replica serves on eager forwards from its start and takes its compiled steps once built in
+    the background (compile_in_background); its answers stay the target's."""
+    from cluster.local import steps_status
+
+    for _ in range(600):  # bounded: the two tiny models build in seconds
+        status = steps_status("specserve")
+        if len(status) == 2 and not any(s.startswith("compiling") for s in status.values()):
+            break
+        time.sleep(1)
+    assert status == {"TargetServer": "compiled", "DraftServer": "compiled"}
+    r = client.completions.create(model="target", prompt=PROMPTS[1], max_tokens=N, temperature=0, extra_body=EXTRA)
+    assert r.choices[0].text == reference[PROMPTS[1]]
 
 
 INVALID = [  # (params of a job that no model of the pair can run, the parameter its error names)

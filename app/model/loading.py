@@ -33,7 +33,7 @@ def load_runner(path: str, settings: ModelSettings, forward_tokens: int, *, tp_s
     size_kv_budget(runner, settings.memory_utilization, settings.max_cache_bytes, size, tp_size=tp_size)
     _limit_context(runner, settings)
     if tp_size == 1:
-        runner.on_thread(runner.warm, progress)
+        runner.on_thread(runner.warm, progress, settings.compile_in_background)
         runner.on_thread(warm_up, runner)
     return runner
 

@@ -150,6 +150,10 @@ class ModelRunner:
                                if execution.pack and self.device.type == "cpu" else 0)
         # compiled steps over static token counts (app/model/compiled.py): ragged forwards of one device only
         self.steps = self._compiled(execution.compile, execution.compile_max_tokens)
+        # what a replica reports (warm(background=True) builds the steps while forwards run eagerly):
+        # "compiling i/n", "compiled", or "eager" (compile off or impossible here, or failed its check)
+        self.compile_status = "eager"
+        self.compile_thread: threading.Thread | None = None
         # models whose forward takes a per-row mask of the positions to project (transformers'
         # slice_logits_to_keep) run the LM head only where a logit is needed, not over every position
         self.ragged_logits = hasattr(sys.modules.get(type(model).__module__), "slice_logits_to_keep")
@@ -215,23 +219,58 @@ class ModelRunner:
         return CompiledSteps(self.model, mode, min(max_tokens, self.max_forward_tokens),
                              dynamic=self.device.type == "cuda")
 
-    def warm(self, progress=None) -> None:
+    def warm(self, progress=None, background: bool = False) -> None:
         """Compile every bucket now, so no request waits for a compile, then check the compiled path
         against the eager one (`check_compiled`). Says each bucket through `progress(message)` (default:
         this module's log): the first compile on a machine takes seconds per bucket (inductor caches
-        them on disk for the next start)."""
+        them on disk for the next start).
+
+        `background` (a CPU only): return at once, forwards eager, and compile in a thread of its own;
+        when every bucket is built, the forward thread checks them between two forwards and takes them.
+        A first start on a 2-core CPU without AVX-512 compiled its pair for more than 10 minutes: a
+        replica serving eagerly meanwhile answers within minutes. A GPU always compiles here, on the
+        forward thread (CUDA graphs are recorded per thread)."""
         progress = progress or log.info
         if not self.steps:
             return
+        self.pool()  # made here, on the forward thread, never by the compile thread
+        if background and self.device.type == "cpu":
+            steps, self.steps = self.steps, None
+            self.compile_status = f"compiling 0/{len(steps.buckets)}"
+            self.compile_thread = threading.Thread(target=self._build_then_adopt, args=(steps, progress),
+                                                   daemon=True, name="specserve-compile")
+            self.compile_thread.start()
+            return
+        self._build(self.steps, progress)
+        self._adopt(self.steps)
+
+    def _build(self, steps: CompiledSteps, progress) -> None:
+        """Compile every bucket of `steps` (one call of its graph each, over an empty layout: the
+        attention op writes and reads no position, so no sequence's KV is touched)."""
         name = getattr(self.model.config, "_name_or_path", "") or type(self.model).__name__
         with torch.inference_mode(), active(Layout([], self.pool(), self.attention)) as layout:
-            for i, n in enumerate(self.steps.buckets):
-                progress(f"compiling {name}'s step for {n} tokens ({i + 1}/{len(self.steps.buckets)})")
+            for i, n in enumerate(steps.buckets):
+                progress(f"compiling {name}'s step for {n} tokens ({i + 1}/{len(steps.buckets)})")
+                self.compile_status = f"compiling {i}/{len(steps.buckets)}"
                 if layout.flex:
                     layout.block_mask(n)
                 ids, positions = (torch.zeros(1, n, dtype=torch.long, device=self.device) for _ in range(2))
-                self.steps.graph(ids, positions)
-        self.check_compiled()
+                steps.graph(ids, positions)
+
+    def _build_then_adopt(self, steps: CompiledSteps, progress) -> None:
+        try:
+            self._build(steps, progress)
+            self.on_thread(self._adopt, steps)
+        except Exception as e:  # a failed compile leaves the replica serving as it did: eager
+            log.warning("compiling steps in the background failed: eager forwards: %r", e)
+            self.compile_status = "eager"
+        else:
+            progress(f"compiled steps {'in use' if self.steps else 'failed their check: eager forwards'}")
+
+    def _adopt(self, steps: CompiledSteps) -> None:
+        """Take built steps (on the forward thread) if they pass `check_compiled`."""
+        self.steps = steps
+        self.compile_status = "compiled" if self.check_compiled() else "eager"
 
     @torch.inference_mode()
     def check_compiled(self, ids: list[int] | None = None) -> bool:
