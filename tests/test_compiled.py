@@ -104,7 +104,10 @@ def test_the_gpu_shape_compiled_steps_over_flex_attention_gives_the_same_tokens(
 def test_the_gpu_compile_is_one_graph_past_a_single_token_and_never_recompiles(pair, tokenizer):
     """On a GPU the token count is symbolic (one graph for buckets 2..MAX, dynamo specialising 1):
     the eager tokens, at most two graphs per model, and no recompile on mixed batches once warm."""
-    runners = [ModelRunner(m, tokenizer, Execution(compile="default", compile_max_tokens=MAX)) for m in pair]
+    # models of its own: a CPU runner's steps (per layer) left the shared pair's layers dispatching
+    models = [make_model(seed=1), blend(make_model(seed=1), 7, 0.85)]
+    runners = [ModelRunner(m, tokenizer, Execution(compile="default", compile_max_tokens=MAX, compile_per_layer=False))
+               for m in models]
     torch._dynamo.reset()  # no graph of an earlier test's runner over these shapes to reuse
     before = counters["stats"]["unique_graphs"]
     for r in runners:
@@ -175,3 +178,20 @@ def test_a_background_build_that_fails_leaves_the_runner_eager(pair, tokenizer, 
     assert runner.steps is None and runner.compile_status == "eager"
     assert "no room to compile" in caplog.text
     assert runner.forward([SeqInput("a", [5, 6, 7], 1)])[0].shape == (1, runner.vocab_size)
+
+
+def test_a_cpu_compiles_one_layer_per_bucket_whatever_the_depth(tokenizer):
+    """On a CPU the graph is one decoder layer, run by every layer: a 6-layer model compiles one graph
+    per bucket (not per layer), gives the eager tokens, and compiles nothing more once warm."""
+    model = make_model(seed=1, layers=6)
+    runner = ModelRunner(model, tokenizer, Execution(compile="default", compile_max_tokens=MAX))
+    before = counters["stats"]["unique_graphs"]
+    runner.warm()
+    assert runner.steps is not None and runner.steps.per_layer
+    assert counters["stats"]["unique_graphs"] - before == len(runner.steps.buckets) == 4
+    eager = ModelRunner(model, tokenizer, Execution(compile="off"))
+    params = greedy()
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        out = Engine(runner, None).generate(PROMPTS, params)
+    for c, e in zip(out, Engine(eager, None).generate(PROMPTS, params)):
+        assert c.token_ids == e.token_ids

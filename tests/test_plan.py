@@ -17,13 +17,33 @@ EIGHT_B_GPUS = ["--gpu", "TargetServer=NVIDIA-H100-80GB-HBM3", "--gpu", "DraftSe
 
 
 def run_plan(*args: str) -> subprocess.CompletedProcess:
+    """`specserve plan ARGS` as its command runs it: in a process of its own."""
     return subprocess.run([sys.executable, "-m", "specserve.cli", "plan", *args], cwd=ROOT, capture_output=True, text=True,
                           timeout=300)
 
 
+def plan_here(*args: str) -> subprocess.CompletedProcess:
+    """The same command line through the CLI's main, in this process (a process of its own spends ~10 s
+    importing torch and transformers on 2 cores); its exit status and what it printed."""
+    import contextlib
+    import io
+    import os
+
+    from specserve import cli
+
+    out, err, cwd = io.StringIO(), io.StringIO(), os.getcwd()
+    os.chdir(ROOT)
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            code = cli.main(["plan", *args])
+    finally:
+        os.chdir(cwd)
+    return subprocess.CompletedProcess(args, code, out.getvalue(), err.getvalue())
+
+
 @pytest.mark.parametrize("path", FILES)
 def test_every_shipped_file_fits_and_prints_the_keys_a_check_reads(path):
-    done = run_plan(path, "--json", *(EIGHT_B_GPUS if "gpu-8b" in path else []))
+    done = plan_here(path, "--json", *(EIGHT_B_GPUS if "gpu-8b" in path else []))
     assert done.returncode == 0, done.stdout + done.stderr
     rows = json.loads(done.stdout)
     assert [r["name"] for r in rows] == ["DraftServer", "TargetServer"]
@@ -50,12 +70,12 @@ def test_a_replica_that_does_not_fit_makes_the_plan_fail_and_says_why(tmp_path):
     config["applications"][0]["args"]["target"]["model"] = "meta-llama/Llama-3.1-70B-Instruct"  # on one L4
     path = tmp_path / "too-big.yaml"
     path.write_text(yaml.safe_dump(config))
-    done = run_plan(str(path), "--gpu", "TargetServer=NVIDIA-L4", "--gpu", "DraftServer=NVIDIA-L4")
+    done = plan_here(str(path), "--gpu", "TargetServer=NVIDIA-L4", "--gpu", "DraftServer=NVIDIA-L4")
     assert done.returncode == 1
     assert "NO: nothing left for the KV cache" in done.stdout
     config["applications"][0]["args"]["target"].update(model="meta-llama/Llama-3.1-8B-Instruct", max_model_len=600_000)
     path.write_text(yaml.safe_dump(config))
-    done = run_plan(str(path), *EIGHT_B_GPUS)
+    done = plan_here(str(path), *EIGHT_B_GPUS)
     assert done.returncode == 1, done.stdout + done.stderr
     assert "< max_model_len 600000" in done.stdout
 

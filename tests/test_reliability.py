@@ -50,7 +50,10 @@ def reference(pair):
 def app_config(pair, port: int, name: str) -> dict:
     from cluster.local import load_config
 
-    args = {"target": {"model": pair[0], "dtype": "float32"}, "draft": {"model": pair[1]},
+    # eager forwards: each replica (and each replacement a kill brings) would compile its steps beside the
+    # load; the served compiled path and its switch from eager are test_serve's
+    args = {"target": {"model": pair[0], "dtype": "float32", "compile": "off"},
+            "draft": {"model": pair[1], "compile": "off"},
             "speculation": {"draft_timeout_s": 5.0, "draft_retry_after_s": 1.0}}
     replicas = {"faults": {"DraftServer": 1, "TargetServer": 2},
                 "two drafts": {"DraftServer": 2, "TargetServer": 2},

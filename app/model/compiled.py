@@ -26,12 +26,14 @@ stays eager and says so.
 
 import logging
 import shutil
+import threading
+import types
 
 import torch
 
 from app.model.cpu_linear import real_rows
 from app.speculation.draft_vocab import FLOOR
-from app.model.ragged import LAYOUT
+from app.model.ragged import IN_ORDER, LAYOUT
 
 log = logging.getLogger(__name__)
 
@@ -81,15 +83,42 @@ def agrees(eager: torch.Tensor, compiled: torch.Tensor, dtype: torch.dtype) -> t
     return bool(diff <= bound and (picked >= eager.max(-1).values - bound).all()), diff.item()
 
 
-class CompiledSteps:
-    """The compiled decoder of one model, over static token-count buckets."""
+_regional = threading.local()  # the compiled layer of the step this thread runs (per_layer), if any
 
-    def __init__(self, model, mode: str, max_tokens: int = 128, dynamic: bool = False):
+
+def _layer_forward(layer, *args, **kwargs):
+    """One decoder layer's own forward: the function compiled once for every layer of a model."""
+    return type(layer).forward(layer, *args, **kwargs)
+
+
+def _decoder_layers(decoder) -> list | None:
+    """The decoder's repeated layers, where they are one ModuleList of one class whose parameters and
+    buffers have one set of names, shapes and dtypes (the one graph runs them all, unguarded)."""
+    layers = getattr(decoder, "layers", None)
+    if not isinstance(layers, torch.nn.ModuleList) or not len(layers):
+        return None
+    shapes = {(type(m), tuple((n, t.shape, t.dtype) for n, t in [*m.named_parameters(), *m.named_buffers()]))
+              for m in layers}
+    return list(layers) if len(shapes) == 1 else None
+
+
+class CompiledSteps:
+    """The compiled decoder of one model, over static token-count buckets.
+
+    `per_layer`: the graph is one decoder layer, compiled once and run by every layer (its weights are
+    the graph's inputs), the rest of the decoder eager. The compiler then builds one layer's code per
+    bucket instead of the whole model's: the reference target's 30 layers compiled for more than 10
+    minutes on a 2-core CPU without AVX-512. A model whose layers are not one list of one class
+    compiles whole."""
+
+    def __init__(self, model, mode: str, max_tokens: int = 128, dynamic: bool = False, per_layer: bool = False):
         if mode not in MODES or mode == "off":
             raise ValueError(f"compile mode must be one of {MODES[1:]}, got {mode!r}")
         self.decoder, self.head = model.get_decoder(), model.get_output_embeddings()
         self.buckets = buckets(max_tokens)
         self.mode, self.dynamic = mode, dynamic
+        layers = _decoder_layers(self.decoder) if per_layer and mode == "default" else None
+        self.per_layer = layers is not None
         import torch._dynamo.config as dynamo
 
         # one graph per bucket and model (target and draft share the decoder's code in one process)
@@ -104,12 +133,35 @@ class CompiledSteps:
         # dynamic: one graph for every bucket past 1 (dynamo specialises a size of 1), the token count
         # symbolic; static: one graph per bucket. On the first GPU runs an 8-layer model took tens of
         # seconds per static graph, 14 of them for a pair: the production check ran out of time compiling
-        self.graph = torch.compile(self._decode, mode=mode, dynamic=dynamic, fullgraph=True)
+        if self.per_layer:
+            # no guards on the layers' modules: every layer's weights are of one shape and dtype
+            # (_decoder_layers), and guarding each of their parameters took longer than a small step
+            # (dynamo keeps compiled code per code object: each runner's layer function gets one of its
+            # own, so that no other model's graphs, unguarded on their weights, are ever tried on it)
+            options = {"guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe}
+            own = types.FunctionType(_layer_forward.__code__.replace(), _layer_forward.__globals__, "_layer_forward")
+            self._layer = torch.compile(own, dynamic=dynamic, fullgraph=True, options=options)
+            for m in layers:
+                m.forward = types.MethodType(_dispatching_forward, m)
+            self.graph = self._decode
+        else:
+            self.graph = torch.compile(self._decode, mode=mode, dynamic=dynamic, fullgraph=True)
+
+    def run(self, input_ids: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
+        """The decoder's last hidden states of a packed row whose length is a bucket, [1, T, H]."""
+        if not self.per_layer:
+            return self.graph(input_ids, position_ids)
+        _regional.layer = self._layer
+        try:
+            return self.graph(input_ids, position_ids)
+        finally:
+            _regional.layer = None
 
     def _decode(self, input_ids: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
         empty = torch.empty(1, 1, 0, 0, dtype=torch.bool, device=input_ids.device)  # no dense mask: attention is ragged
+        # per layer: attention takes the layers in order (a layer's index would be the one graph's constant)
         return self.decoder(input_ids=input_ids, position_ids=position_ids, attention_mask=empty, use_cache=False,
-                            **{LAYOUT: True}).last_hidden_state
+                            **{LAYOUT: IN_ORDER if self.per_layer else True}).last_hidden_state
 
     def bucket(self, tokens: int) -> int | None:
         """The bucket a forward of `tokens` runs in; None when it is larger than every bucket (eager)."""
@@ -125,5 +177,16 @@ class CompiledSteps:
             input_ids = torch.nn.functional.pad(input_ids, (0, pad))
             position_ids = torch.nn.functional.pad(position_ids, (0, pad))
         with real_rows(input_ids.shape[1] - pad):  # the linears skip the padding (app/model/cpu_linear.py)
-            hidden = self.graph(input_ids, position_ids)
+            hidden = self.run(input_ids, position_ids)
         return self.head(hidden[0].index_select(0, keep))
+
+
+
+def _dispatching_forward(self, *args, **kwargs):
+    """A decoder layer's forward under per-layer steps: the compiled layer of the step this thread runs
+    (CompiledSteps.run), the layer's own forward elsewhere (an eager forward, a prompt chunk larger than
+    every bucket). Bound to the layer as a method, so a copy of the model (copy.deepcopy) binds its own."""
+    step = getattr(_regional, "layer", None)
+    if step is not None:
+        return step(self, *args, **kwargs)
+    return type(self).forward(self, *args, **kwargs)

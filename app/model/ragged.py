@@ -54,6 +54,9 @@ from app.model.varlen import VarlenGroups
 
 NAME = "specserve_ragged"
 LAYOUT = "specserve_layout"  # the forward's keyword argument saying it runs over the active Layout
+# LAYOUT's value when the layers are one compiled graph (app/model/compiled.py, per_layer): attention
+# takes the layers in the order they run, not each one's index, which the graph would hold as a constant
+IN_ORDER = "layers in order"
 
 
 @dataclass
@@ -108,6 +111,12 @@ class Layout:
         # one upload (`parts`, `take`); an upload of its own per span synchronised a GPU's stream
         self.gathered = [s for s in self.sdpa if len(s.runs) > 1]
         self._device, self._taken = device, False
+        self._next_layer = 0  # IN_ORDER: the layer whose attention runs next (a forward runs them all, in order)
+
+    def next_layer(self) -> int:
+        layer = self._next_layer
+        self._next_layer = (layer + 1) % len(self.pool.keys)
+        return layer
 
     def parts(self) -> list[list[int]]:
         """Host lists of indices this layout's attention needs beyond the row's slots, for the forward's
@@ -225,6 +234,7 @@ def active(layout: Layout):
 # Defined through torch.library.Library rather than torch.library.custom_op: a step calls it once per
 # layer, and custom_op's wrappers cost about 20 us a call against 5 (measured, 2-core EPYC).
 _LIBRARY = torch.library.Library("specserve", "FRAGMENT")
+# `layer`: the layer's index, or -1 for the next in order (IN_ORDER)
 _LIBRARY.define("ragged_attention(Tensor query, Tensor key, Tensor value, int layer, float scale) -> Tensor",
                 tags=(torch.Tag.cudagraph_unsafe,))
 
@@ -234,6 +244,8 @@ def attend(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, layer: i
     then each sequence's queries over its own cached keys/values. query: [1, Hq, T, D] -> [1, T, Hq, D];
     rows past the layout's tokens (a compiled step's padding) come out zero."""
     layout: Layout = _local.layout
+    if layer < 0:  # IN_ORDER
+        layer = layout.next_layer()
     layout.write(key, value, layer)
     gqa = query.shape[1] != key.shape[1]
     if layout.varlen:
@@ -290,11 +302,13 @@ def ragged_attention(module, query: torch.Tensor, key: torch.Tensor, value: torc
                      dropout: float = 0.0, scaling: float | None = None, **kwargs):
     """The model's attention function: the ragged op when the forward runs over a Layout (its
     keyword LAYOUT is set), SDPA otherwise (a plain Hugging Face call, e.g. generate)."""
-    if not kwargs.pop(LAYOUT, False):
+    layout = kwargs.pop(LAYOUT, False)
+    if not layout:
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       **kwargs)
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
-    return torch.ops.specserve.ragged_attention(query, key, value, module.layer_idx, scale), None
+    layer = -1 if layout == IN_ORDER else module.layer_idx
+    return torch.ops.specserve.ragged_attention(query, key, value, layer, scale), None
 
 
 AttentionInterface.register(NAME, ragged_attention)

@@ -100,6 +100,7 @@ class Execution:
     compile_max_tokens: int = 128
     pack: bool = False
     packed_dtype: torch.dtype | None = None
+    compile_per_layer: bool | None = None  # None: on a CPU (app/model/compiled.py, CompiledSteps)
 
 
 def auto_attention(dtype: torch.dtype, device_type: str, cpu_kernel: bool) -> str:
@@ -149,7 +150,7 @@ class ModelRunner:
         self.packed_linears = (pack_linears(model, compiled=compiling, dtype=execution.packed_dtype)
                                if execution.pack and self.device.type == "cpu" else 0)
         # compiled steps over static token counts (app/model/compiled.py): ragged forwards of one device only
-        self.steps = self._compiled(execution.compile, execution.compile_max_tokens)
+        self.steps = self._compiled(execution.compile, execution.compile_max_tokens, execution.compile_per_layer)
         # what a replica reports (warm(background=True) builds the steps while forwards run eagerly):
         # "compiling i/n", "compiled", or "eager" (compile off or impossible here, or failed its check)
         self.compile_status = "eager"
@@ -207,7 +208,7 @@ class ModelRunner:
                 else "tensor parallel forwards run eagerly" if getattr(self.model, "tp_size", None)
                 else unavailable(self.device))
 
-    def _compiled(self, mode: str, max_tokens: int) -> CompiledSteps | None:
+    def _compiled(self, mode: str, max_tokens: int, per_layer: bool | None) -> CompiledSteps | None:
         if mode == "off":
             return None
         why = self._why_eager()
@@ -216,8 +217,10 @@ class ModelRunner:
             return None
         # symbolic token counts on a GPU, where a compile takes longest and a bucket's own kernels gain
         # little (the matmuls are cuBLAS's either way); static on a CPU, whose kernels gain from them
+        # one layer's graph on a CPU, whose compiler took minutes per bucket for a whole 30-layer model
+        per_layer = self.device.type == "cpu" if per_layer is None else per_layer
         return CompiledSteps(self.model, mode, min(max_tokens, self.max_forward_tokens),
-                             dynamic=self.device.type == "cuda")
+                             dynamic=self.device.type == "cuda", per_layer=per_layer)
 
     def warm(self, progress=None, background: bool = False) -> None:
         """Compile every bucket now, so no request waits for a compile, then check the compiled path
@@ -255,7 +258,7 @@ class ModelRunner:
                 if layout.flex:
                     layout.block_mask(n)
                 ids, positions = (torch.zeros(1, n, dtype=torch.long, device=self.device) for _ in range(2))
-                steps.graph(ids, positions)
+                steps.run(ids, positions)
 
     def _build_then_adopt(self, steps: CompiledSteps, progress) -> None:
         try:
