@@ -31,8 +31,8 @@ for _ in $(seq 1 2400); do  # at most 20 minutes
     echo "first completion after $(since) s"
     grep -a "no native bf16" "$log" | tr '\r' '\n' | grep -a "no native" | tail -1 || true
     for _ in $(seq 1 3600); do  # at most 30 minutes more: the steps compile in the background
-      if grep -qa "after start: steps " "$log"; then
-        echo "compiled steps in use after $(since) s: $(grep -a 'after start: steps ' "$log" | tail -1)"; exit 0
+      if grep -qa " s: steps " "$log"; then
+        echo "compiled steps in use after $(since) s: $(grep -a ' s: steps ' "$log" | tail -1)"; exit 0
       fi
       kill -0 "$pid" 2>/dev/null || { echo "make serve exited; see $log"; exit 1; }
       sleep 0.5

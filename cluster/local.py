@@ -224,21 +224,23 @@ def steps_status(name: str, deployments=("TargetServer", "DraftServer")) -> dict
     return out
 
 
-def watch_steps(name: str, stop: threading.Event, progress, every_s: float = 30.0) -> None:
+def watch_steps(name: str, stop: threading.Event, progress, every_s: float = 30.0,
+                started: float | None = None) -> None:
     """Until `stop` is set: every `every_s` seconds, while a server still compiles its steps in the
-    background (it serves eagerly meanwhile), say how far each has got; say once when none does."""
-    started = time.monotonic()
+    background (it serves eagerly meanwhile), say how far each has got; say once when none does.
+    Times are seconds since `started` (a time.monotonic(); default: now)."""
+    started = time.monotonic() if started is None else started
     while not stop.wait(every_s):
         status = steps_status(name)
         building = {d: s for d, s in status.items() if s.startswith("compiling")}
         if not building and status:
-            progress(f"  {time.monotonic() - started:4.0f} s after start: steps "
+            progress(f"  {time.monotonic() - started:4.0f} s: steps "
                      + ", ".join(f"{d} {s}" for d, s in sorted(status.items())))
             stop.wait()
             return
         if building:
-            progress(f"  {time.monotonic() - started:4.0f} s after start: serving on eager forwards while "
-                     "compiling steps: " + ", ".join(f"{d} {s.split()[-1]}" for d, s in sorted(building.items())))
+            progress(f"  {time.monotonic() - started:4.0f} s: serving on eager forwards while compiling "
+                     "steps: " + ", ".join(f"{d} {s.split()[-1]}" for d, s in sorted(building.items())))
 
 
 def stop_on_signals(stop: threading.Event | None = None) -> threading.Event:

@@ -45,6 +45,9 @@ FIRST_START_S = 1800  # how long `serve` waits for every replica to run
 
 def cmd_serve(args) -> int:
     """Start a local multi-node Ray cluster and the app; stop both on Ctrl-C or SIGTERM (exit 0)."""
+    import time
+
+    started = time.monotonic()
     from cluster.local import LocalCluster, deploy, fit_to_cores, load_config, stop_on_signals, watch_steps
 
     overrides: dict = {"pair": _pair_name(args)}
@@ -63,8 +66,9 @@ def cmd_serve(args) -> int:
     stop = stop_on_signals()  # a signal while the cluster starts: it stops as soon as it is up
     with LocalCluster():
         stop_on_signals(stop)
-        # a first start on a machine compiles every model's steps: on a 2-core EPYC without AVX-512 and
-        # an empty inductor cache that outlasted deploy's 10 minutes
+        # a replica serves once loaded and compiles its steps after (compile_in_background); one that
+        # compiles first (the option off, a GPU) took more than 10 minutes on a 2-core AVX2 EPYC before
+        # the steps were compiled per layer
         deploy(config, timeout_s=FIRST_START_S, progress=lambda line: print(line, flush=True))
         url = f"http://{args.host}:{args.port}"
         name = config["applications"][0]["args"].get("served_model_name") or _served_name(config)
@@ -72,7 +76,8 @@ def cmd_serve(args) -> int:
         print(f"curl -s {url}/v1/completions -H 'Content-Type: application/json' \\\n"
               f"  -d '{{\"model\": \"{name}\", \"prompt\": \"def fibonacci(n):\", \"max_tokens\": 48, "
               f"\"temperature\": 0}}'\n", flush=True)
-        watch_steps(config["applications"][0]["name"], stop, lambda line: print(line, flush=True))
+        watch_steps(config["applications"][0]["name"], stop, lambda line: print(line, flush=True), every_s=15,
+                    started=started)
         print("stopping the app and the cluster...", flush=True)
     return 0
 

@@ -1,4 +1,5 @@
-"""Compiled steps: a model's forward as torch.compile graphs over a few static token counts.
+"""Compiled steps: a model's forward as torch.compile graphs over a few static token counts (on a CPU,
+one decoder layer's graph, run by every layer: CompiledSteps, per_layer).
 
 A ragged forward (app/model/ragged.py) of T tokens runs the graph of the smallest bucket >= T, its row
 padded with token 0 at position 0: the padded rows never change a result, since attention (one
