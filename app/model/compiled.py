@@ -182,7 +182,6 @@ class CompiledSteps:
         return self.head(hidden[0].index_select(0, keep))
 
 
-
 def _dispatching_forward(self, *args, **kwargs):
     """A decoder layer's forward under per-layer steps: the compiled layer of the step this thread runs
     (CompiledSteps.run), the layer's own forward elsewhere (an eager forward, a prompt chunk larger than
