@@ -61,6 +61,10 @@ class ReplicaFault(RuntimeError):
     request by request and the replica is unhealthy (Serve replaces it)."""
 
 
+class RankFailure(ReplicaFault):
+    """A tensor-parallel rank worker died or hung: the replica is unhealthy and Serve replaces it."""
+
+
 def is_fault(e: BaseException) -> bool:
     """Whether an error a forward raised is the replica's (a device fault, a dead worker) rather than
     something one request in the batch carried. A CUDA error poisons the context: every later call fails.

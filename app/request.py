@@ -5,7 +5,7 @@ from dataclasses import dataclass, field
 
 from app.speculation.logits import LogitRules
 from app.job import GenerationJob
-from app.model.runner import tokenizer_eos_ids
+from app.model.eos import tokenizer_eos_ids
 from app.params import SamplingParams
 
 REPLACEMENT = "\ufffd"  # what a decoder shows for a UTF-8 sequence cut mid-way
@@ -117,7 +117,7 @@ class RequestState:
         """Built from an admitted job (app/job.py, which checks the prompt against the context): its id,
         prompt, parameters, draw seed, and what an earlier replica already streamed (output_ids,
         streamed_chars) when the request resumes after failover. eos_ids: the model's end-of-sequence
-        ids (app.model.runner.eos_ids: its generation config's and its tokenizer's), by default the
+        ids (app.model.eos.eos_ids: its generation config's and its tokenizer's), by default the
         tokenizer's alone."""
         self.request_id = job.request_id
         self.prompt_ids = list(job.prompt_ids)

@@ -25,10 +25,10 @@ from ray.serve.exceptions import DeploymentUnavailableError
 
 from app import telemetry
 from app.chunks import Chunk
+from app.errors import RankFailure
 from app.job import GenerationJob
 from deployments.args import AppConfig
 from deployments.metrics import DispatchMetrics, VLLMMetrics
-from deployments.tp import RankFailure
 
 log = logging.getLogger("ray.serve")
 

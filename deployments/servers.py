@@ -24,7 +24,8 @@ from app.model.loading import load_runner
 from app.model.memory import DRAFT_PREFILL_TOKENS
 from app.chunks import Chunk
 from app.job import GenerationJob
-from app.model.runner import eos_ids, load_generation_config
+from app.model.eos import eos_ids
+from app.model.runner import load_generation_config
 from app.model.sources import local_model, log_into
 from app.speculation.steps import Proposal, verify, verify_tokens
 from app.speculation.drafting import propose

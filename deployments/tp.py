@@ -19,16 +19,12 @@ from ray.util.placement_group import get_current_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from transformers import AutoConfig
 
-from app.errors import ReplicaFault, is_fault
+from app.errors import RankFailure, is_fault
 from app.model.loading import load_runner, warm_up
 from app.model.memory import agree_on_budget
 from app.speculation.steps import Verdict, VerifyItem, verify
 from deployments.args import TargetConfig
 from deployments.contexts import ContextMirror, ContextUnknown, Delta, SentContexts
-
-
-class RankFailure(ReplicaFault):
-    """A rank worker died or hung: the replica is unhealthy and Serve replaces it."""
 
 
 def group_result(results: list):

@@ -57,6 +57,37 @@ def blend(target: LlamaForCausalLM, seed: int, weight: float) -> LlamaForCausalL
     return draft
 
 
+def _deploys_app(item) -> bool:
+    """Whether `item`'s module deploys the app on the session's cluster (tests/serving.py)."""
+    import serving
+
+    module = getattr(item, "module", None)
+    return (getattr(module, "running_app", None) is serving.running_app
+            or getattr(module, "shared_cluster", None) is serving.shared_cluster)
+
+
+def pytest_collection_modifyitems(items):
+    """The modules that deploy the app run last, one after another, on one cluster (tests/serving.py)."""
+    items.sort(key=_deploys_app)  # stable: each module's tests keep their order
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_teardown(item, nextitem):
+    """After the last test on the shared cluster (its fixtures torn down, its app deleted), stop it."""
+    result = yield
+    if nextitem is None or not _deploys_app(nextitem):
+        import serving
+
+        serving.stop_shared_cluster()
+    return result
+
+
+def pytest_sessionfinish(session):
+    import serving
+
+    serving.stop_shared_cluster()
+
+
 @pytest.fixture(scope="session")
 def tokenizer():
     return make_tokenizer()

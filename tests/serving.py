@@ -39,29 +39,75 @@ def quick_shutdown(config: dict) -> dict:
     return config
 
 
+# The modules that deploy the app share one cluster (and Serve's controller and proxy) instead of
+# starting their own: a cluster took about 20 s to start and stop on 2 cores, once per module before.
+# conftest runs those modules one after another and stops the cluster after the last of them.
+_shared: dict = {}
+
+
+def shared_cluster() -> int:
+    """Start the session's cluster unless it runs; returns the HTTP port its Serve proxy listens on."""
+    if not _shared:
+        from cluster.local import LocalCluster
+
+        _shared["cluster"] = LocalCluster().start()
+        _shared["port"] = free_port()
+    return _shared["port"]
+
+
+def stop_shared_cluster() -> None:
+    if _shared:
+        _shared.pop("cluster").shutdown()
+        _shared.clear()
+
+
+def remove_app(name: str) -> None:
+    """Delete application `name` and what outlives its replicas (its metric totals' detached actor),
+    so that the next module's app starts from nothing."""
+    import ray
+    from ray import serve
+
+    serve.delete(name)
+    with contextlib.suppress(ValueError):  # no replica asked for the totals
+        ray.kill(ray.get_actor(f"specserve-spec-decode-totals-{name}", namespace="specserve"))
+
+
 @contextlib.contextmanager
 def running_app(target: str, draft: str | None, args: dict | None = None, deployments: dict | None = None,
                 env: dict | None = None, system_config: dict | None = None, compiled: bool = True):
-    """Yield the base URL of the app deployed on a fresh local cluster; stop the cluster after.
+    """Yield the base URL of the app deployed on the session's cluster; delete the app after.
 
     `env`: environment variables of every replica (the application's runtime_env), e.g. OTEL_*.
+    `system_config`: Ray's, on a cluster of the app's own, stopped after.
     `compiled=False`: eager forwards, for tests of what lies around the engine (the protocol, security,
     metrics, scaling): each replica then starts about 8 s sooner on 2 cores (no step compiled at warm-up).
     """
     from cluster.local import LocalCluster, deploy, load_config
 
-    port = free_port()
-    eager = {} if compiled else {"compile": "off"}
-    base = {"target": {"model": target, "dtype": "float32", **eager},
-            "draft": {"model": draft, **eager} if draft else None,
-            "speculation": {"draft_timeout_s": 30.0}}
-    config = load_config(args={**base, **(args or {})}, deployments=deployments, port=port)
-    quick_shutdown(config)
-    if env:
-        config["applications"][0]["runtime_env"] = {"env_vars": env}
-    with LocalCluster(system_config=system_config):
-        deploy(config, timeout_s=300)
+    def config(port: int) -> dict:
+        eager = {} if compiled else {"compile": "off"}
+        base = {"target": {"model": target, "dtype": "float32", **eager},
+                "draft": {"model": draft, **eager} if draft else None,
+                "speculation": {"draft_timeout_s": 30.0}}
+        out = quick_shutdown(load_config(args={**base, **(args or {})}, deployments=deployments, port=port))
+        if env:
+            out["applications"][0]["runtime_env"] = {"env_vars": env}
+        return out
+
+    if system_config:
+        stop_shared_cluster()  # one cluster per driver process
+        port = free_port()
+        with LocalCluster(system_config=system_config):
+            deploy(config(port), timeout_s=300)
+            yield f"http://127.0.0.1:{port}"
+        return
+    port = shared_cluster()
+    app = config(port)
+    try:
+        deploy(app, timeout_s=300)
         yield f"http://127.0.0.1:{port}"
+    finally:
+        remove_app(app["applications"][0]["name"])
 
 
 class S3Server:

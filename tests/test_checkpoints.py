@@ -14,7 +14,8 @@ from app.openai.protocol import ChatCompletionRequest, default_max_tokens
 from app.params import SamplingParams
 from app.job import GenerationJob
 from app.request import DETOKENIZE_CONTEXT, RequestState
-from app.model.runner import ModelRunner, eos_ids
+from app.model.eos import eos_ids
+from app.model.runner import ModelRunner
 from tests.conftest import blend, make_tokenizer
 
 

@@ -36,7 +36,10 @@ def test_a_difference_from_generate_fails_the_check(monkeypatch, tmp_path):
         return run
 
     monkeypatch.setattr(gpu_check, "run_engine", off_by_one)
-    assert gpu_check.main(["--device", "cpu", "--smoke"]) == 1
+    out = tmp_path / "report.json"  # the identity step alone: the end-to-end run is the test above
+    assert gpu_check.main(["--device", "cpu", "--smoke", "--only", "identity_fp32", "--json", str(out)]) == 1
+    identity = json.loads(out.read_text())["identity_fp32"]
+    assert not identity["ok"] and identity["failed"] and identity["identical"] < identity["prompts"]
 
 
 def test_no_gpu_is_said_plainly(monkeypatch, capsys):
@@ -51,7 +54,7 @@ def test_a_cpu_without_native_bf16_skips_the_bf16_check_and_benchmarks_in_float3
         pytest.fail("bf16 identity run without native bf16") if dtype == torch.bfloat16
         else {"ok": True, "prompts": 1, "identical": 1}))
     out = tmp_path / "report.json"
-    assert gpu_check.main(["--device", "cpu", "--smoke", "--json", str(out)]) == 0
+    assert gpu_check.main(["--device", "cpu", "--smoke", "--only", "identity_fp32,identity_bf16", "--json", str(out)]) == 0
     report = json.loads(out.read_text())
     assert "no native bf16" in report["identity_bf16"]["skipped"]
     seen = []

@@ -16,7 +16,8 @@ from app.model.runner import ModelRunner
 from app.speculation.steps import Proposal, VerifyItem, verify, ProposeItem
 from app.speculation.drafting import propose
 from conftest import blend
-from deployments.tp import RankFailure, group_result
+from app.errors import RankFailure
+from deployments.tp import group_result
 
 PROMPTS = [[0, 5, 6, 7], [0, 9, 9], [0, 40, 41, 42, 43], [0, 3]]
 

@@ -185,3 +185,16 @@ def test_the_ingress_keeps_to_routes_and_serve_glue(graph):
     assert lines <= INGRESS_LINES, f"Ingress grew to {lines} lines"
     assert "app.openai.front" in graph["deployments.ingress"]
     assert not graph["deployments.ingress"] & FRONT_PARTS, graph["deployments.ingress"] & FRONT_PARTS
+
+
+def test_the_ingress_starts_without_the_model_code():
+    """An ingress replica loads no model: importing it must not import the runner or transformers'
+    modeling modules (seconds of CPU in every ingress replica that starts, and in the app's build)."""
+    import subprocess
+    import sys
+
+    heavy = ("app.model.runner", "transformers.modeling_utils", "torch._dynamo")
+    code = f"import sys, deployments.ingress; print(','.join(m for m in {heavy!r} if m in sys.modules))"
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip() == "", f"importing deployments.ingress imported {out.stdout.strip()}"

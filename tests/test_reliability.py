@@ -20,7 +20,7 @@ import pytest
 from app.engine import Engine
 from cluster.soak import sse_events, take_event
 from app.params import SamplingParams
-from serving import free_port, quick_shutdown, save_tiny_pair
+from serving import quick_shutdown, remove_app, save_tiny_pair, shared_cluster
 
 PROMPTS = [f"def g{i}(y):\n    return y" + " * 2" * (i % 4) for i in range(8)]
 N = 48  # tokens per load-run request
@@ -70,10 +70,10 @@ def app_config(pair, port: int, name: str) -> dict:
 
 @pytest.fixture(scope="module")
 def deployed(pair):
-    """deployed(name) -> base URL, with that deployment of the app running on the module's cluster."""
-    from cluster.local import LocalCluster, deploy
+    """deployed(name) -> base URL, with that deployment of the app running on the session's cluster."""
+    from cluster.local import deploy
 
-    port, current = free_port(), {}
+    port, current = shared_cluster(), {}
 
     def use(name: str) -> str:
         if current.get("name") != name:
@@ -81,8 +81,11 @@ def deployed(pair):
             current["name"] = name
         return f"http://127.0.0.1:{port}"
 
-    with LocalCluster():
+    try:
         yield use
+    finally:
+        if current:
+            remove_app("specserve")
 
 
 def replicas(deployment: str) -> list[str]:

@@ -14,6 +14,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, Genera
 from app.model import cpu_attention, dtypes
 from app.model.compiled import CompiledSteps, agrees, unavailable
 from app.model.cpu_linear import pack_linears
+from app.model.eos import eos_ids
 from app.grammar import Grammars
 from app.model.kv import BLOCK_SIZE, KVStore, common_prefix
 from app.model.batches import Batch, RaggedBatch, SeqInput
@@ -55,22 +56,6 @@ def load_model(
         return model.eval(), tokenizer
     model = AutoModelForCausalLM.from_pretrained(name_or_path, dtype=torch_dtype, **kwargs)
     return model.to(device).eval().requires_grad_(False), tokenizer
-
-
-def tokenizer_eos_ids(tokenizer) -> frozenset[int]:
-    """The tokenizer's end-of-sequence id(s)."""
-    eos = tokenizer.eos_token_id
-    return frozenset(eos if isinstance(eos, list) else [eos]) - {None}
-
-
-def eos_ids(generation_config, tokenizer) -> frozenset[int]:
-    """The ids that end generation, as `generate` and vLLM stop on them: the generation config's (often
-    a list on chat models: Llama-3.1-Instruct's <|eom_id|> and <|eot_id|>, Gemma's <end_of_turn>) and
-    the tokenizer's own."""
-    ids = set(tokenizer_eos_ids(tokenizer))
-    eos = getattr(generation_config, "eos_token_id", None)
-    ids.update(eos if isinstance(eos, list) else [eos])
-    return frozenset(ids - {None})
 
 
 def load_generation_config(name_or_path: str, trust_remote_code: bool = False):

@@ -16,7 +16,8 @@ from transformers import PreTrainedModel
 
 from specserve.demo.corpus import load_heldout_prompts
 from app.model.hf_compat import returned_cache, with_cache
-from app.model.runner import eos_ids, load_model
+from app.model.eos import eos_ids
+from app.model.runner import load_model
 
 
 def distinct_ngrams(tokens: list[int], n: int = 4) -> float:
