@@ -126,6 +126,9 @@ class S3Server:
         self.server = ThreadedMotoServer(ip_address="127.0.0.1", port=self.port, verbose=False)
         self.server.start()
         self.url = f"http://127.0.0.1:{self.port}"
+        # moto's buckets live in this process, not in the server: start from none (another module's
+        # server left its objects behind)
+        __import__("httpx").post(f"{self.url}/moto-api/reset", timeout=30).raise_for_status()
         self.env = {"AWS_ENDPOINT_URL": self.url, "AWS_ACCESS_KEY_ID": "test", "AWS_SECRET_ACCESS_KEY": "test",
                     "AWS_DEFAULT_REGION": "us-east-1"}
         self.bucket = bucket
