@@ -37,8 +37,12 @@ demo-models: install
 bench: install
 	$(BIN)/specserve bench
 
+# the engine's tests on every core (pytest-xdist: 1.3x on 2 cores); then the Ray tests (marked slow) one at
+# a time, in one process: they share one local cluster (tests/serving.py), whose replicas use every core
+TEST_WORKERS ?= logical
 test: install-test
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) -m "not slow"
+	$(BIN)/python -m pytest -q -m slow
 
 # against a live app: schemathesis, FUZZ_CASES bodies per endpoint and mode (2 x 2); then hostile bodies
 # (HOSTILE_CASES generated, past the schema's bounds) beside greedy streams. 0 x 5xx expected
