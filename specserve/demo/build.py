@@ -89,7 +89,7 @@ def build_pair(out: Path, quick: bool = False, seed: int = 0, progress: bool = T
             phase("preparing")
             texts = corpus.training_texts()
             tok = train.train_tokenizer(texts, plan)
-            stream = train.encode_corpus(tok, texts)
+            stream = train.encode_corpus(tok, train.first_chars(texts, plan.corpus_chars))
             bar.advance(costs.prepare)
 
             torch.manual_seed(seed)
