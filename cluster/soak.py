@@ -277,14 +277,16 @@ class Soak:
     in_turn: bool = False
 
 
-def run(target: str, draft: str, soak: Soak, port: int = 8011, timeout_s: float = 120.0) -> dict:
-    """Start a local cluster, deploy two replicas of everything, soak as `soak` says; the report."""
+def run(target: str, draft: str, soak: Soak, port: int = 8011, timeout_s: float = 120.0, cluster=None) -> dict:
+    """Start a local cluster, deploy two replicas of everything, soak as `soak` says; the report.
+    `cluster`: a context to deploy in instead (a cluster already running, whose proxy listens on `port`);
+    the app is left on it."""
     from cluster.local import LocalCluster, deploy
 
     seconds, clients, seed, every = soak.seconds, soak.clients, soak.seed, soak.every
     specs = mix(soak.max_tokens)
     layers = list(LAYERS) + (["rank"] if soak.tp > 1 else [])
-    with LocalCluster():
+    with cluster or LocalCluster():
         deploy(soak_config(target, draft, port, soak.tp), timeout_s=600)
         url = f"http://127.0.0.1:{port}"
         print(f"app up at {url}: references for {sum(s.kind != 'unseeded' for s in specs)} requests...", flush=True)

@@ -2,10 +2,12 @@
 layer killed under mixed load. Nothing differs, nothing is cut, every request completes (an
 ingress kill included: the proxy's failover continues its streams elsewhere)."""
 
+import contextlib
+
 import pytest
 
 from cluster import soak
-from serving import free_port, save_tiny_pair
+from serving import remove_app, save_tiny_pair, shared_cluster
 
 pytestmark = pytest.mark.slow
 
@@ -23,8 +25,11 @@ def test_a_short_soak_with_a_kill_per_layer_loses_nothing(tmp_path, monkeypatch)
             app[role]["compile"] = "off"
         return config
     monkeypatch.setattr(soak, "soak_config", eager)
-    plan = soak.Soak(seconds=45, clients=3, every=(10.0, 11.0), max_tokens=16, in_turn=True)  # kills by 33 s
-    report = soak.run(target, draft, plan, port=free_port())
+    plan = soak.Soak(seconds=32, clients=3, every=(7.0, 8.0), max_tokens=16, in_turn=True)  # kills by 24 s
+    try:  # on the session's cluster: the soak kills replicas, never the cluster's own actors
+        report = soak.run(target, draft, plan, port=shared_cluster(), cluster=contextlib.nullcontext())
+    finally:
+        remove_app("specserve")
     table = report["table"]
     print(soak.markdown(table))
     killed = {layer for _, layer, name in report["kills"] if not name.startswith("not")}
