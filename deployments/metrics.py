@@ -230,13 +230,21 @@ def _sum(dicts) -> dict:
     return out
 
 
+TOTALS_NAMESPACE = "specserve"
+
+
+def totals_actor_name(app_name: str) -> str:
+    """The name of application `app_name`'s MetricTotals actor (in TOTALS_NAMESPACE)."""
+    return f"specserve-spec-decode-totals-{app_name}"
+
+
 def totals_actor(app_name: str):
     """The app's MetricTotals actor, made by the first replica that asks (detached: it outlives any one
     replica, so the totals do too)."""
     import ray
 
     cls = ray.remote(num_cpus=0, max_restarts=-1)(MetricTotals)
-    return cls.options(name=f"specserve-spec-decode-totals-{app_name}", namespace="specserve",
+    return cls.options(name=totals_actor_name(app_name), namespace=TOTALS_NAMESPACE,
                        get_if_exists=True, lifetime="detached").remote()
 
 

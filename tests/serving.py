@@ -67,9 +67,11 @@ def remove_app(name: str) -> None:
     import ray
     from ray import serve
 
+    from deployments.metrics import TOTALS_NAMESPACE, totals_actor_name
+
     serve.delete(name)
     with contextlib.suppress(ValueError):  # no replica asked for the totals
-        ray.kill(ray.get_actor(f"specserve-spec-decode-totals-{name}", namespace="specserve"))
+        ray.kill(ray.get_actor(totals_actor_name(name), namespace=TOTALS_NAMESPACE))
 
 
 @contextlib.contextmanager
@@ -117,18 +119,20 @@ class S3Server:
 
     def __init__(self, bucket: str = "models"):
         import os
+        import tempfile
 
+        import httpx
         from moto.server import ThreadedMotoServer
 
         self.port = free_port()
-        self.record = os.path.join(__import__("tempfile").mkdtemp(), "moto-recording")
+        self.record = os.path.join(tempfile.mkdtemp(), "moto-recording")
         os.environ["MOTO_RECORDER_FILEPATH"] = self.record  # read by the server's recorder, in this process
         self.server = ThreadedMotoServer(ip_address="127.0.0.1", port=self.port, verbose=False)
         self.server.start()
         self.url = f"http://127.0.0.1:{self.port}"
         # moto's buckets live in this process, not in the server: start from none (another module's
         # server left its objects behind)
-        __import__("httpx").post(f"{self.url}/moto-api/reset", timeout=30).raise_for_status()
+        httpx.post(f"{self.url}/moto-api/reset", timeout=30).raise_for_status()
         self.env = {"AWS_ENDPOINT_URL": self.url, "AWS_ACCESS_KEY_ID": "test", "AWS_SECRET_ACCESS_KEY": "test",
                     "AWS_DEFAULT_REGION": "us-east-1"}
         self.bucket = bucket
