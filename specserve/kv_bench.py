@@ -2,6 +2,7 @@
 
     python -m specserve.kv_bench [--sequences 16] [--rows 5] [--keys 300] [--heads 4] [--head-dim 64]
     python -m specserve.kv_bench --model DIR [--compile default|off]    # a model's whole forwards
+    python -m specserve.kv_bench --model DIR --linears 1,5,16           # a model's linears alone
 
 A batch of `sequences` sequences with `rows` new query rows each and `keys` to `keys + 7 * sequences`
 cached positions, in blocks of app.model.kv.BLOCK_SIZE, read four ways: a view of one run of the
@@ -124,6 +125,42 @@ def steps(model_dir: str, compile: str, sequences: int, keys: int, repeats: int,
     return out
 
 
+def linears(model_dir: str, rows: list[int], repeats: int) -> dict:
+    """ms for one pass over every linear of a float32 model (its head included) at each row count: the
+    small-row kernel on its packed weights (app/model/cpu_linear.py) and `F.linear`, called in turn, medians."""
+    from transformers import AutoModelForCausalLM
+
+    from app.model import cpu_linear
+
+    if not cpu_linear.kernel_available():
+        raise SystemExit("the small-row kernel is not built on this machine (no C++ compiler?)")
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    layers = {id(m): m for m in model.modules() if isinstance(m, torch.nn.Linear)}.values()  # tied head once
+    packed = [(m.weight, m.bias, cpu_linear.pack(m.weight)) for m in layers]
+    nbytes = sum(w.numel() * w.element_size() for w, _, _ in packed)
+    out = {}
+    with torch.no_grad():
+        for r in rows:
+            inputs = {w.shape[1]: torch.randn(r, w.shape[1]) for w, _, _ in packed}
+
+            def kernel():
+                for w, b, p in packed:
+                    torch.ops.specserve.linear(inputs[w.shape[1]], p, b, w.shape[0])
+
+            def plain():
+                for w, b, _ in packed:
+                    torch.nn.functional.linear(inputs[w.shape[1]], w, b)
+            times = {"kernel": [], "F.linear": []}
+            for _ in range(repeats):
+                for name, fn in (("kernel", kernel), ("F.linear", plain)):
+                    t0 = time.perf_counter()
+                    fn()
+                    times[name].append((time.perf_counter() - t0) * 1e3)
+            out[r] = {name: sorted(v)[len(v) // 2] for name, v in times.items()}
+            out[r]["kernel GB/s"] = nbytes / out[r]["kernel"] / 1e6
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--sequences", type=int, default=16)
@@ -136,7 +173,16 @@ def main() -> None:
                     "attention path instead")
     ap.add_argument("--compile", default="default", help="with --model: off, default (compiled steps)")
     ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"), help="with --model: its dtype")
+    ap.add_argument("--linears", help="with --model: time its linears alone at these row counts (e.g. 1,5,16), "
+                    "the small-row kernel against F.linear, float32")
     args = ap.parse_args()
+    if args.model and args.linears:
+        results = linears(args.model, [int(r) for r in args.linears.split(",")], min(args.repeats, 15))
+        print(f"median ms for every linear of the model once, float32, {torch.get_num_threads()} threads")
+        print("| rows | kernel | F.linear | kernel GB/s |\n|---|---|---|---|")
+        for r, row in results.items():
+            print(f"| {r} | {row['kernel']:.1f} | {row['F.linear']:.1f} | {row['kernel GB/s']:.1f} |")
+        return
     if args.model:
         results = steps(args.model, args.compile, args.sequences, args.keys, args.repeats, getattr(torch, args.dtype))
         print(f"median ms per forward, {args.dtype}, {args.sequences} sequences x {args.keys}+ keys, "

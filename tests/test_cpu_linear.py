@@ -180,3 +180,16 @@ def test_a_draft_on_bfloat16_packed_weights_proposes_and_the_output_stays_the_ta
                                      pad_token_id=0)[0, len(ids):].tolist()
     assert result.token_ids == want
     assert result.speculation["drafted_tokens"] > 0 and result.speculation["accepted_tokens"] > 0
+
+
+def test_the_linears_benchmark_times_every_linear_of_a_model_both_ways(tmp_path):
+    """`python -m specserve.kv_bench --model DIR --linears 1,5`: each row count timed through the kernel
+    and F.linear, with the kernel's read rate over the model's linear weights."""
+    from conftest import make_model
+    from specserve.kv_bench import linears
+
+    make_model(seed=0).save_pretrained(tmp_path)
+    out = linears(str(tmp_path), [1, 5], repeats=1)
+    assert list(out) == [1, 5]
+    for row in out.values():
+        assert set(row) == {"kernel", "F.linear", "kernel GB/s"} and all(v > 0 for v in row.values())
