@@ -22,7 +22,6 @@
 // instruction, where tens of rows make the step bound by arithmetic. Its chain (the pairs in order)
 // is the same for every row count, as above; its rounding is the instruction's, not an FMA chain's.
 #include <algorithm>
-#include <algorithm>
 #include <cstdint>
 #if defined(__AVX512BF16__)
 #include <immintrin.h>
