@@ -87,7 +87,9 @@ def running_app(target: str, draft: str | None, args: dict | None = None, deploy
     from cluster.local import LocalCluster, deploy, load_config
 
     def config(port: int) -> dict:
-        eager = {} if compiled else {"compile": "off"}
+        # compiled: one decoder layer a graph (the test pairs have 1 and 2 layers), the compile these
+        # replicas spend on 2 cores kept as it was; tests/test_compiled.py proves longer graphs' tokens
+        eager = {"compile_layers": 1} if compiled else {"compile": "off"}
         base = {"target": {"model": target, "dtype": "float32", **eager},
                 "draft": {"model": draft, **eager} if draft else None,
                 "speculation": {"draft_timeout_s": 30.0}}

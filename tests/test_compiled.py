@@ -180,18 +180,28 @@ def test_a_background_build_that_fails_leaves_the_runner_eager(pair, tokenizer, 
     assert runner.forward([SeqInput("a", [5, 6, 7], 1)])[0].shape == (1, runner.vocab_size)
 
 
-def test_a_cpu_compiles_one_layer_per_bucket_whatever_the_depth(tokenizer):
-    """On a CPU the graph is one decoder layer, run by every layer: a 6-layer model compiles one graph
-    per bucket (not per layer), gives the eager tokens, and compiles nothing more once warm."""
-    model = make_model(seed=1, layers=6)
-    runner = ModelRunner(model, tokenizer, Execution(compile="default", compile_max_tokens=MAX))
+def test_a_cpu_compiles_one_graph_per_bucket_whatever_the_depth(tokenizer):
+    """On a CPU the graph is a run of consecutive decoder layers, run by every such run: a 4-layer model
+    at two layers a graph compiles one graph per bucket (not per layer or run), gives the eager tokens,
+    and compiles nothing more once warm. (Two layers of the `pair`'s shapes: the graphs the tests above
+    compiled, which inductor's cache then holds.)"""
+    model = make_model(seed=1, layers=4)
+    runner = ModelRunner(model, tokenizer, Execution(compile="default", compile_max_tokens=MAX, compile_layers=2))
     before = counters["stats"]["unique_graphs"]
     runner.warm()
     assert runner.steps is not None and runner.steps.per_layer
     assert counters["stats"]["unique_graphs"] - before == len(runner.steps.buckets) == 4
+    layers = list(model.model.layers)
+    assert runner.steps.runs == {layers[0]: tuple(layers[:2]), layers[1]: (), layers[2]: tuple(layers[2:]),
+                                 layers[3]: ()}
     eager = ModelRunner(model, tokenizer, Execution(compile="off"))
     params = greedy()
     with torch._dynamo.config.patch(error_on_recompile=True):
         out = Engine(runner, None).generate(PROMPTS, params)
     for c, e in zip(out, Engine(eager, None).generate(PROMPTS, params)):
         assert c.token_ids == e.token_ids
+
+
+@pytest.mark.parametrize("depth, most, length", [(30, 6, 6), (30, 4, 3), (7, 6, 1), (2, 6, 2), (4, 1, 1)])
+def test_a_graph_runs_the_largest_divisor_of_the_depth_up_to_the_setting(depth, most, length):
+    assert compiled._graph_length(depth, most) == length

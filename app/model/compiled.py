@@ -1,5 +1,5 @@
 """Compiled steps: a model's forward as torch.compile graphs over a few static token counts (on a CPU,
-one decoder layer's graph, run by every layer: CompiledSteps, per_layer).
+a graph of a few consecutive decoder layers, run by every such run of layers: CompiledSteps, per_layer).
 
 A ragged forward (app/model/ragged.py) of T tokens runs the graph of the smallest bucket >= T, its row
 padded with token 0 at position 0: the padded rows never change a result, since attention (one
@@ -84,12 +84,28 @@ def agrees(eager: torch.Tensor, compiled: torch.Tensor, dtype: torch.dtype) -> t
     return bool(diff <= bound and (picked >= eager.max(-1).values - bound).all()), diff.item()
 
 
-_regional = threading.local()  # the compiled layer of the step this thread runs (per_layer), if any
+_regional = threading.local()  # the CompiledSteps whose step this thread runs (per_layer), if any
 
 
-def _layer_forward(layer, *args, **kwargs):
-    """One decoder layer's own forward: the function compiled once for every layer of a model."""
-    return type(layer).forward(layer, *args, **kwargs)
+# per_layer's default graph length. The compiler's dispatch costs ~0.25 ms a call (dynamo's guards, its
+# wrappers and the graph's Python code: torch profiler, reference target, 1 row, one thread, a 2-core EPYC
+# without AVX-512), 7.5 ms of a 71 ms step at one layer a graph; 6 layers a graph: 54 ms (10: 55 ms).
+# The first compile grows with the graph: that target's 8 buckets took 85 s against ~15 (on disk after).
+LAYERS_PER_GRAPH = 6
+
+
+def _layers_forward(layers, hidden_states, *args, **kwargs):
+    """Consecutive decoder layers' own forwards, each taking the last one's hidden states: the function
+    compiled once for every run of that many layers of a model."""
+    for layer in layers:
+        hidden_states = type(layer).forward(layer, hidden_states, *args, **kwargs)
+    return hidden_states
+
+
+def _graph_length(layers: int, most: int) -> int:
+    """The layers each graph runs: the largest divisor of the model's depth up to `most`, so that every
+    run of layers is one length and one graph a bucket runs them all."""
+    return max(k for k in range(1, min(layers, most) + 1) if layers % k == 0)
 
 
 def _decoder_layers(decoder) -> list | None:
@@ -106,13 +122,14 @@ def _decoder_layers(decoder) -> list | None:
 class CompiledSteps:
     """The compiled decoder of one model, over static token-count buckets.
 
-    `per_layer`: the graph is one decoder layer, compiled once and run by every layer (its weights are
-    the graph's inputs), the rest of the decoder eager. The compiler then builds one layer's code per
-    bucket instead of the whole model's: the reference target's 30 layers compiled for more than 10
-    minutes on a 2-core CPU without AVX-512. A model whose layers are not one list of one class
-    compiles whole."""
+    `per_layer`: the graph is a run of `layers_per_graph` consecutive decoder layers (the largest divisor
+    of the depth up to it), compiled once and run by every such run (their weights are the graph's
+    inputs), the rest of the decoder eager. The compiler then builds a few layers' code per bucket
+    instead of the whole model's: the reference target's 30 layers compiled for more than 10 minutes on
+    a 2-core CPU without AVX-512. A model whose layers are not one list of one class compiles whole."""
 
-    def __init__(self, model, mode: str, max_tokens: int = 128, dynamic: bool = False, per_layer: bool = False):
+    def __init__(self, model, mode: str, max_tokens: int = 128, dynamic: bool = False, per_layer: bool = False,
+                 layers_per_graph: int = LAYERS_PER_GRAPH):
         if mode not in MODES or mode == "off":
             raise ValueError(f"compile mode must be one of {MODES[1:]}, got {mode!r}")
         self.decoder, self.head = model.get_decoder(), model.get_output_embeddings()
@@ -140,8 +157,11 @@ class CompiledSteps:
             # (dynamo keeps compiled code per code object: each runner's layer function gets one of its
             # own, so that no other model's graphs, unguarded on their weights, are ever tried on it)
             options = {"guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe}
-            own = types.FunctionType(_layer_forward.__code__.replace(), _layer_forward.__globals__, "_layer_forward")
-            self._layer = torch.compile(own, dynamic=dynamic, fullgraph=True, options=options)
+            own = types.FunctionType(_layers_forward.__code__.replace(), _layers_forward.__globals__, "_layers_forward")
+            self.layers = torch.compile(own, dynamic=dynamic, fullgraph=True, options=options)
+            # each run's first layer runs the graph over the run, the others pass their input through
+            k = _graph_length(len(layers), layers_per_graph)
+            self.runs = {m: tuple(layers[i : i + k]) if i % k == 0 else () for i, m in enumerate(layers)}
             for m in layers:
                 m.forward = types.MethodType(_dispatching_forward, m)
             self.graph = self._decode
@@ -152,11 +172,11 @@ class CompiledSteps:
         """The decoder's last hidden states of a packed row whose length is a bucket, [1, T, H]."""
         if not self.per_layer:
             return self.graph(input_ids, position_ids)
-        _regional.layer = self._layer
+        _regional.steps = self
         try:
             return self.graph(input_ids, position_ids)
         finally:
-            _regional.layer = None
+            _regional.steps = None
 
     def _decode(self, input_ids: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
         empty = torch.empty(1, 1, 0, 0, dtype=torch.bool, device=input_ids.device)  # no dense mask: attention is ragged
@@ -182,11 +202,15 @@ class CompiledSteps:
         return self.head(hidden[0].index_select(0, keep))
 
 
-def _dispatching_forward(self, *args, **kwargs):
-    """A decoder layer's forward under per-layer steps: the compiled layer of the step this thread runs
-    (CompiledSteps.run), the layer's own forward elsewhere (an eager forward, a prompt chunk larger than
-    every bucket). Bound to the layer as a method, so a copy of the model (copy.deepcopy) binds its own."""
-    step = getattr(_regional, "layer", None)
-    if step is not None:
-        return step(self, *args, **kwargs)
-    return type(self).forward(self, *args, **kwargs)
+def _dispatching_forward(self, hidden_states, *args, **kwargs):
+    """A decoder layer's forward under per-layer steps: within a step this thread runs (CompiledSteps.run),
+    the first layer of each run of layers runs the compiled graph over the run and the others return
+    their input (the graph ran them); the layer's own forward elsewhere (an eager forward, a prompt chunk
+    larger than every bucket, a copy of the model). Bound to the layer as a method, so a copy of the
+    model (copy.deepcopy) binds its own. The decoder calls its layers in order, each on the last one's
+    hidden states: what every causal LM of transformers does."""
+    steps = getattr(_regional, "steps", None)
+    run = None if steps is None else steps.runs.get(self)
+    if run is None:
+        return type(self).forward(self, hidden_states, *args, **kwargs)
+    return steps.layers(run, hidden_states, *args, **kwargs) if run else hidden_states

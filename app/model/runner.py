@@ -12,7 +12,7 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig, PreTrainedModel
 
 from app.model import cpu_attention, dtypes
-from app.model.compiled import CompiledSteps, agrees, unavailable
+from app.model.compiled import LAYERS_PER_GRAPH, CompiledSteps, agrees, unavailable
 from app.model.cpu_linear import pack_linears
 from app.model.eos import eos_ids
 from app.grammar import Grammars
@@ -86,6 +86,7 @@ class Execution:
     pack: bool = False
     packed_dtype: torch.dtype | None = None
     compile_per_layer: bool | None = None  # None: on a CPU (app/model/compiled.py, CompiledSteps)
+    compile_layers: int = LAYERS_PER_GRAPH  # per_layer: consecutive layers per graph (app/config.py)
 
 
 def auto_attention(dtype: torch.dtype, device_type: str, cpu_kernel: bool) -> str:
@@ -135,7 +136,7 @@ class ModelRunner:
         self.packed_linears = (pack_linears(model, compiled=compiling, dtype=execution.packed_dtype)
                                if execution.pack and self.device.type == "cpu" else 0)
         # compiled steps over static token counts (app/model/compiled.py): ragged forwards of one device only
-        self.steps = self._compiled(execution.compile, execution.compile_max_tokens, execution.compile_per_layer)
+        self.steps = self._compiled(execution)
         # what a replica reports (warm(background=True) builds the steps while forwards run eagerly):
         # "compiling i/n", "compiled", or "eager" (compile off or impossible here, or failed its check)
         self.compile_status = "eager"
@@ -193,7 +194,8 @@ class ModelRunner:
                 else "tensor parallel forwards run eagerly" if getattr(self.model, "tp_size", None)
                 else unavailable(self.device))
 
-    def _compiled(self, mode: str, max_tokens: int, per_layer: bool | None) -> CompiledSteps | None:
+    def _compiled(self, execution: Execution) -> CompiledSteps | None:
+        mode, per_layer = execution.compile, execution.compile_per_layer
         if mode == "off":
             return None
         why = self._why_eager()
@@ -204,8 +206,9 @@ class ModelRunner:
         # little (the matmuls are cuBLAS's either way); static on a CPU, whose kernels gain from them
         # one layer's graph on a CPU, whose compiler took minutes per bucket for a whole 30-layer model
         per_layer = self.device.type == "cpu" if per_layer is None else per_layer
-        return CompiledSteps(self.model, mode, min(max_tokens, self.max_forward_tokens),
-                             dynamic=self.device.type == "cuda", per_layer=per_layer)
+        return CompiledSteps(self.model, mode, min(execution.compile_max_tokens, self.max_forward_tokens),
+                             dynamic=self.device.type == "cuda", per_layer=per_layer,
+                             layers_per_graph=execution.compile_layers)
 
     def warm(self, progress=None, background: bool = False) -> None:
         """Compile every bucket now, so no request waits for a compile, then check the compiled path
