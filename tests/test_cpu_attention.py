@@ -82,6 +82,21 @@ def test_a_row_does_not_depend_on_its_batch(dtype):
     assert torch.equal(alone[:, 5:], crowded[:, 5:])
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_verify_row_equals_the_plain_step_at_its_position(dtype):
+    """A span of 5 rows (a verify) and five 1-row spans at the same positions (plain steps): bit-identical
+    rows, every query head of a GQA group among them, so greedy speculation keeps plain decoding's tokens."""
+    gen = torch.Generator().manual_seed(5)
+    keys, values = (torch.randn(2, 32 * BLOCK_SIZE, 64, generator=gen).to(dtype) for _ in range(2))
+    query = torch.randn(1, 6, 5, 64, generator=gen).to(dtype)
+    table = [7, 3, 11, 0, 5]
+    verify = torch.zeros(1, 5, 6, 64, dtype=dtype)
+    cpu_attention.Spans([_Span(table, 37, 5, 0)]).attend(query, keys, values, verify, 0.125)
+    steps = torch.zeros(1, 5, 6, 64, dtype=dtype)
+    cpu_attention.Spans([_Span(table, 37 + r, 1, r) for r in range(5)]).attend(query, keys, values, steps, 0.125)
+    assert torch.equal(verify, steps)
+
+
 def test_far_below_the_maximum_weights_are_zero_not_nan():
     """A row whose scores span hundreds (weights past float's range): finite, the top key's value."""
     keys = torch.zeros(1, BLOCK_SIZE, 4)

@@ -12,7 +12,9 @@
 // Row r of a span sits at position start + r and sees the keys of positions 0 .. start + r.
 //
 // Each row's result depends on its query and its keys alone, never on the other rows or spans of
-// the call, so a sequence's output is the same whatever batch it runs in. bfloat16 is widened to
+// the call, so a sequence's output is the same whatever batch it runs in, and a verify's row is the
+// plain step's at its position. The work is split by (span, key-value head), so that each block of
+// keys and values is read from memory once for all the rows and query heads that read it. bfloat16 is widened to
 // float32 as it is read (exactly), every sum is a float32 one, and each output is rounded once to
 // the nearest bfloat16 (ties to even, as torch rounds).
 #include <algorithm>
@@ -49,43 +51,110 @@ struct Args {
   float scale;
 };
 
-// Every (position j, row r) pair of a span where row r sees position j, in the order the positions
-// lie in the table's blocks: fn(j, r, the vector of position j in `pool`).
-template <typename T, typename Fn>
-void visit(const Args<T>& a, const int64_t* table, int64_t end, int64_t start, int64_t rows, const T* pool, Fn fn) {
-  for (int64_t j0 = 0; j0 < end; j0 += a.block) {
-    const int64_t base = table[j0 / a.block] * a.block, n = std::min(a.block, end - j0);
-    for (int64_t jj = 0; jj < n; ++jj) {
-      const int64_t j = j0 + jj;
-      const T* vec = pool + (base + jj) * a.dim;
-      for (int64_t r = std::max<int64_t>(0, j - start); r < rows; ++r) fn(j, r, vec);
-    }
+// Eight floats, in whatever registers the target has (GCC's vector extension: AVX2 and AVX-512 take
+// one ymm register, SSE two xmm). Loads are unaligned; bfloat16 widens exactly as it loads.
+typedef float v8 __attribute__((vector_size(32)));
+typedef uint16_t u16x8 __attribute__((vector_size(16)));
+typedef uint32_t u32x8 __attribute__((vector_size(32)));
+inline v8 load8(const float* p) {
+  v8 v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+inline v8 load8(const bf16* p) {
+  u16x8 h;
+  std::memcpy(&h, p, sizeof h);
+  const u32x8 bits = __builtin_convertvector(h, u32x8) << 16;
+  v8 v;
+  std::memcpy(&v, &bits, sizeof v);
+  return v;
+}
+inline float hsum(v8 a) { return ((a[0] + a[4]) + (a[2] + a[6])) + ((a[1] + a[5]) + (a[3] + a[7])); }
+
+// The dot product of a query (widened) and a key: two chains of multiply-adds (half the wait on each),
+// the same order for every call.
+template <typename T>
+inline float dot(const float* q, const T* key, int64_t dim, int64_t full) {
+  v8 even = {}, odd = {};
+  int64_t x = 0;
+  for (; x + 16 <= full; x += 16) {
+    even += load8(q + x) * load8(key + x);
+    odd += load8(q + x + 8) * load8(key + x + 8);
   }
+  if (x < full) even += load8(q + x) * load8(key + x);
+  float acc = hsum(even + odd);
+  for (x = full; x < dim; ++x) acc += q[x] * widen(key[x]);
+  return acc;
 }
 
-// One (span, query head): scores of every row over its visible keys, softmax, weighted values.
+// acc[base .. base + 8N) += p[jj] * value_jj[base ..] for the block's positions jj < n in order, the sums
+// held in registers across the block (in memory, every position's add would wait on the last one's store).
+template <int N, typename T>
+inline void weigh(float* acc, const float* p, const T* values, int64_t n, int64_t dim, int64_t base) {
+  v8 sum[N];
+  std::memcpy(sum, acc + base, sizeof sum);
+  for (int64_t jj = 0; jj < n; ++jj) {
+    const T* value = values + jj * dim + base;
+    const float w = p[jj];
+    for (int u = 0; u < N; ++u) sum[u] += w * load8(value + 8 * u);
+  }
+  std::memcpy(acc + base, sum, sizeof sum);
+}
+
 template <typename T>
-void span_head(const Args<T>& a, int64_t i, int64_t h, std::vector<float>& scores, std::vector<float>& sums) {
+void weigh_all(float* acc, const float* p, const T* values, int64_t n, int64_t dim, int64_t full) {
+  for (int64_t base = 0; base < full; base += 64) {
+    switch (std::min<int64_t>(8, (full - base) / 8)) {
+      case 1: weigh<1>(acc, p, values, n, dim, base); break;
+      case 2: weigh<2>(acc, p, values, n, dim, base); break;
+      case 3: weigh<3>(acc, p, values, n, dim, base); break;
+      case 4: weigh<4>(acc, p, values, n, dim, base); break;
+      case 5: weigh<5>(acc, p, values, n, dim, base); break;
+      case 6: weigh<6>(acc, p, values, n, dim, base); break;
+      case 7: weigh<7>(acc, p, values, n, dim, base); break;
+      default: weigh<8>(acc, p, values, n, dim, base); break;
+    }
+  }
+  for (int64_t x = full; x < dim; ++x)  // a head size that is not a multiple of 8
+    for (int64_t jj = 0; jj < n; ++jj) acc[x] += p[jj] * widen(values[jj * dim + x]);
+}
+
+struct Scratch {
+  std::vector<float> queries, scores, sums;
+};
+
+// One (span, key-value head): the rows of every query head that reads this head (GQA) together, so each
+// block of keys and values is read once, from memory, for all of them and then found in the cache.
+// Every row still computes alone, in one order: its scores over positions 0 .. its own in order, the
+// softmax, then its weighted values summed position by position in order. So a row's result depends
+// on its query and those positions alone: the same alone, in a span of several rows (a verify), with
+// other query heads or beside other spans.
+template <typename T>
+void span_group(const Args<T>& a, int64_t i, int64_t g, Scratch& w) {
   const int64_t first = a.spans[4 * i], rows = a.spans[4 * i + 1], start = a.spans[4 * i + 2];
   const int64_t* table = a.tables + a.spans[4 * i + 3];
-  const int64_t end = start + rows, dim = a.dim;
-  const int64_t kv = h / (a.heads_q / a.heads_kv);
-  const T* keys = a.k + kv * a.slots * dim;
-  const T* values = a.v + kv * a.slots * dim;
-  scores.resize(static_cast<size_t>(rows * end));
-  sums.assign(static_cast<size_t>(rows * dim), 0.f);
-  float* s = scores.data();
-
-  visit(a, table, end, start, rows, keys, [&](int64_t j, int64_t r, const T* key) {
-    const T* query = a.q + h * a.q_head + (first + r) * a.q_row;
-    float acc = 0.f;
-#pragma omp simd reduction(+ : acc)
-    for (int64_t x = 0; x < dim; ++x) acc += widen(query[x]) * widen(key[x]);
-    s[r * end + j] = acc * a.scale;
-  });
-  for (int64_t r = 0; r < rows; ++r) {
-    float* sr = s + r * end;
-    const int64_t seen = start + r + 1;
+  const int64_t dim = a.dim, full = dim / 8 * 8, end = start + rows, group = a.heads_q / a.heads_kv;
+  const int64_t n = group * rows;  // query vectors: head h0 + qi / rows, row qi % rows
+  const T* keys = a.k + g * a.slots * dim;
+  const T* values = a.v + g * a.slots * dim;
+  w.queries.resize(static_cast<size_t>(n * dim));
+  w.scores.resize(static_cast<size_t>(n * end));
+  w.sums.assign(static_cast<size_t>(n * dim), 0.f);
+  float *qf = w.queries.data(), *s = w.scores.data(), *acc = w.sums.data();
+  for (int64_t qi = 0; qi < n; ++qi) {
+    const T* query = a.q + (g * group + qi / rows) * a.q_head + (first + qi % rows) * a.q_row;
+    for (int64_t x = 0; x < dim; ++x) qf[qi * dim + x] = widen(query[x]);
+  }
+  for (int64_t j0 = 0, b = 0; j0 < end; j0 += a.block, ++b) {
+    const T* block = keys + table[b] * a.block * dim;
+    for (int64_t qi = 0; qi < n; ++qi) {
+      const int64_t seen = start + qi % rows + 1, m = std::min(a.block, seen - j0);
+      for (int64_t jj = 0; jj < m; ++jj) s[qi * end + j0 + jj] = dot(qf + qi * dim, block + jj * dim, dim, full) * a.scale;
+    }
+  }
+  for (int64_t qi = 0; qi < n; ++qi) {
+    float* sr = s + qi * end;
+    const int64_t seen = start + qi % rows + 1;
     float top = sr[0];
     for (int64_t j = 1; j < seen; ++j) top = std::max(top, sr[j]);
     float total = 0.f;
@@ -100,22 +169,23 @@ void span_head(const Args<T>& a, int64_t i, int64_t h, std::vector<float>& score
     const float inv = 1.f / total;
     for (int64_t j = 0; j < seen; ++j) sr[j] *= inv;
   }
-  visit(a, table, end, start, rows, values, [&](int64_t j, int64_t r, const T* value) {
-    const float p = s[r * end + j];
-    float* o = sums.data() + r * dim;
-#pragma omp simd
-    for (int64_t x = 0; x < dim; ++x) o[x] += p * widen(value[x]);
-  });
-  for (int64_t r = 0; r < rows; ++r) {
-    T* o = a.out + ((first + r) * a.heads_q + h) * dim;
-    for (int64_t x = 0; x < dim; ++x) store(sums[r * dim + x], o + x);
+  for (int64_t j0 = 0, b = 0; j0 < end; j0 += a.block, ++b) {
+    const T* block = values + table[b] * a.block * dim;
+    for (int64_t qi = 0; qi < n; ++qi) {
+      const int64_t seen = start + qi % rows + 1, m = std::min(a.block, seen - j0);
+      if (m > 0) weigh_all(acc + qi * dim, s + qi * end + j0, block, m, dim, full);
+    }
+  }
+  for (int64_t qi = 0; qi < n; ++qi) {
+    T* o = a.out + ((first + qi % rows) * a.heads_q + g * group + qi / rows) * dim;
+    for (int64_t x = 0; x < dim; ++x) store(acc[qi * dim + x], o + x);
   }
 }
 
 template <typename T>
 void run(const Args<T>& a, int64_t n_spans, int64_t begin, int64_t step) {
-  std::vector<float> scores, sums;
-  for (int64_t w = begin; w < n_spans * a.heads_q; w += step) span_head(a, w / a.heads_q, w % a.heads_q, scores, sums);
+  Scratch w;
+  for (int64_t u = begin; u < n_spans * a.heads_kv; u += step) span_group(a, u / a.heads_kv, u % a.heads_kv, w);
 }
 
 template <typename T>
@@ -123,7 +193,7 @@ void attend(const T* q, int64_t q_head, int64_t q_row, const T* k, const T* v, T
             int64_t n_spans, const int64_t* tables, int64_t heads_q, int64_t heads_kv, int64_t dim, int64_t slots,
             int64_t block, float scale, int64_t threads) {
   const Args<T> a{q, k, v, out, q_head, q_row, spans, tables, heads_q, heads_kv, dim, slots, block, scale};
-  threads = std::max<int64_t>(1, std::min(threads, n_spans * heads_q));
+  threads = std::max<int64_t>(1, std::min(threads, n_spans * heads_kv));
   std::vector<std::thread> pool;
   for (int64_t t = 1; t < threads; ++t) pool.emplace_back(run<T>, std::cref(a), n_spans, t, threads);
   run(a, n_spans, 0, threads);
