@@ -97,6 +97,37 @@ def test_a_verify_row_equals_the_plain_step_at_its_position(dtype):
     assert torch.equal(verify, steps)
 
 
+@pytest.mark.parametrize("threads", [1, 3])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_kernel_writes_the_new_keys_and_values_as_the_indexed_copy_does(threads, dtype, monkeypatch):
+    """Given the row's new keys and values ([1, Hkv, T', D], padded past the spans' rows), the kernel writes
+    each span's rows into its slots, then attends: the pool and the outputs equal an indexed copy's
+    followed by the kernel; the padding's and every other slot are untouched."""
+    monkeypatch.setattr(torch, "get_num_threads", lambda: threads)
+    gen = torch.Generator().manual_seed(11)
+    heads_q, heads_kv, dim, num_blocks = 6, 3, 64, 24
+    pool = [torch.randn(heads_kv, num_blocks * BLOCK_SIZE, dim, generator=gen).to(dtype) for _ in range(2)]
+    free = torch.randperm(num_blocks, generator=gen).tolist()
+    spans, offset = [], 0
+    for rows, start in [(1, 0), (5, 37), (1, 15), (3, 46)]:
+        spans.append(_Span([free.pop() for _ in range(-(-(start + rows) // BLOCK_SIZE))], start, rows, offset))
+        offset += rows
+    width = offset + 3  # a compiled step's padding rows
+    new = [torch.randn(1, width, heads_kv, dim, generator=gen).to(dtype).transpose(1, 2) for _ in range(2)]  # strided
+    query = torch.randn(1, heads_q, width, dim, generator=gen).to(dtype)
+    slots = torch.tensor([s.entry.blocks[p // BLOCK_SIZE] * BLOCK_SIZE + p % BLOCK_SIZE
+                          for s in spans for p in range(s.start, s.start + s.length)])
+    copied = [t.clone() for t in pool]
+    for t, n in zip(copied, new):
+        t.index_copy_(1, slots, n[0, :, :offset])
+    want = torch.zeros(1, width, heads_q, dim, dtype=dtype)
+    cpu_attention.Spans(spans).attend(query, *copied, want, 0.125)
+    got = torch.zeros(1, width, heads_q, dim, dtype=dtype)
+    cpu_attention.Spans(spans, every=True).attend(query, *pool, got, 0.125, tuple(new))
+    assert torch.equal(pool[0], copied[0]) and torch.equal(pool[1], copied[1])
+    assert torch.equal(got, want)
+
+
 def test_far_below_the_maximum_weights_are_zero_not_nan():
     """A row whose scores span hundreds (weights past float's range): finite, the top key's value."""
     keys = torch.zeros(1, BLOCK_SIZE, 4)

@@ -86,7 +86,8 @@ class Span:
 
 class Layout:
     """The packed row's sequences; the model's cache for one forward: it writes every sequence's new
-    keys and values into their blocks with one indexed copy per layer, and attention reads them there.
+    keys and values into their blocks with one indexed copy per layer (or the CPU kernel writes them in
+    its call, where it computes every span), and attention reads them there.
 
     attention: "flex", "cpu_paged", "per_sequence" or "varlen" (the module's docstring)."""
 
@@ -101,7 +102,7 @@ class Layout:
         self._slots = None
         # the CPU kernel's spans (a few rows each: decode steps, verify rows), in one call per layer
         short = [s for s in spans if s.length <= cpu_attention.MAX_ROWS] if attention == "cpu_paged" else []
-        self.paged = cpu_attention.Spans(short) if short else None
+        self.paged = cpu_attention.Spans(short, every=len(short) == len(spans)) if short else None
         # the spans torch's SDPA computes, one call each (the flex path reads the pool through its mask)
         self.sdpa = ([] if self.flex or self.varlen else [s for s in spans if s.length > cpu_attention.MAX_ROWS]
                      if short else spans)
@@ -246,7 +247,10 @@ def attend(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, layer: i
     layout: Layout = _local.layout
     if layer < 0:  # IN_ORDER
         layer = layout.next_layer()
-    layout.write(key, value, layer)
+    # the CPU kernel writes the new keys and values itself where it computes every span
+    fused = layout.paged is not None and layout.paged.every and key.dtype == layout.pool.keys[layer].dtype
+    if not fused:
+        layout.write(key, value, layer)
     gqa = query.shape[1] != key.shape[1]
     if layout.varlen:
         return layout.varlen.attend(query, layout.pool.keys[layer], layout.pool.values[layer], scale, gqa)
@@ -256,7 +260,8 @@ def attend(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, layer: i
         return out.transpose(1, 2).contiguous()
     out = query.new_zeros(query.shape[0], query.shape[2], query.shape[1], query.shape[3])  # [1, T, Hq, D]
     if layout.paged:
-        layout.paged.attend(query, layout.pool.keys[layer], layout.pool.values[layer], out, scale)
+        layout.paged.attend(query, layout.pool.keys[layer], layout.pool.values[layer], out, scale,
+                            (key, value) if fused else None)
     for s in layout.sdpa:
         k, v = layout.kv(s, layer)
         q = query[:, :, s.offset : s.offset + s.length]  # [1, Hq, n, D]

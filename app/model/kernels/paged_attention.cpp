@@ -10,6 +10,10 @@
 //   spans  [n_spans, 4]: first row in q, rows, start (positions cached before the span's first
 //          row), offset of the span's table in `tables`
 // Row r of a span sits at position start + r and sees the keys of positions 0 .. start + r.
+//   new_k, new_v  [heads_kv, rows, dim] with strides (new_head, new_row, 1): the spans' new keys and values,
+//          written into their slots of k and v before the span reads them (null: already written). A
+//          span's new slots are its own (the pool shares whole cached blocks only), so no other span
+//          of the call reads them.
 //
 // Each row's result depends on its query and its keys alone, never on the other rows or spans of
 // the call, so a sequence's output is the same whatever batch it runs in, and a verify's row is the
@@ -43,8 +47,11 @@ inline void store(float x, bf16* out) {
 
 template <typename T>
 struct Args {
-  const T *q, *k, *v;
+  const T* q;
+  T *k, *v;
   T* out;
+  const T *new_k, *new_v;
+  int64_t new_head, new_row;
   int64_t q_head, q_row;
   const int64_t *spans, *tables;
   int64_t heads_q, heads_kv, dim, slots, block;
@@ -135,8 +142,15 @@ void span_group(const Args<T>& a, int64_t i, int64_t g, Scratch& w) {
   const int64_t* table = a.tables + a.spans[4 * i + 3];
   const int64_t dim = a.dim, full = dim / 8 * 8, end = start + rows, group = a.heads_q / a.heads_kv;
   const int64_t n = group * rows;  // query vectors: head h0 + qi / rows, row qi % rows
-  const T* keys = a.k + g * a.slots * dim;
-  const T* values = a.v + g * a.slots * dim;
+  T* keys = a.k + g * a.slots * dim;
+  T* values = a.v + g * a.slots * dim;
+  if (a.new_k)  // this head's new keys and values of the span's rows, into their slots
+    for (int64_t r = 0; r < rows; ++r) {
+      const int64_t pos = start + r, slot = table[pos / a.block] * a.block + pos % a.block;
+      const int64_t from = g * a.new_head + (first + r) * a.new_row;
+      std::memcpy(keys + slot * dim, a.new_k + from, dim * sizeof(T));
+      std::memcpy(values + slot * dim, a.new_v + from, dim * sizeof(T));
+    }
   w.queries.resize(static_cast<size_t>(n * dim));
   w.scores.resize(static_cast<size_t>(n * end));
   w.sums.assign(static_cast<size_t>(n * dim), 0.f);
@@ -189,10 +203,12 @@ void run(const Args<T>& a, int64_t n_spans, int64_t begin, int64_t step) {
 }
 
 template <typename T>
-void attend(const T* q, int64_t q_head, int64_t q_row, const T* k, const T* v, T* out, const int64_t* spans,
-            int64_t n_spans, const int64_t* tables, int64_t heads_q, int64_t heads_kv, int64_t dim, int64_t slots,
-            int64_t block, float scale, int64_t threads) {
-  const Args<T> a{q, k, v, out, q_head, q_row, spans, tables, heads_q, heads_kv, dim, slots, block, scale};
+void attend(const T* q, int64_t q_head, int64_t q_row, T* k, T* v, T* out, const T* new_k, const T* new_v,
+            int64_t new_head, int64_t new_row, const int64_t* spans, int64_t n_spans, const int64_t* tables,
+            int64_t heads_q, int64_t heads_kv, int64_t dim, int64_t slots, int64_t block, float scale,
+            int64_t threads) {
+  const Args<T> a{q, k, v, out, new_k, new_v, new_head, new_row, q_head, q_row, spans, tables, heads_q, heads_kv,
+                  dim, slots, block, scale};
   threads = std::max<int64_t>(1, std::min(threads, n_spans * heads_kv));
   std::vector<std::thread> pool;
   for (int64_t t = 1; t < threads; ++t) pool.emplace_back(run<T>, std::cref(a), n_spans, t, threads);
@@ -203,16 +219,18 @@ void attend(const T* q, int64_t q_head, int64_t q_row, const T* k, const T* v, T
 }  // namespace
 
 extern "C" {
-void specserve_paged_attention_f32(const float* q, int64_t q_head, int64_t q_row, const float* k, const float* v,
-                                   float* out, const int64_t* spans, int64_t n_spans, const int64_t* tables,
-                                   int64_t heads_q, int64_t heads_kv, int64_t dim, int64_t slots, int64_t block,
-                                   float scale, int64_t threads) {
-  attend(q, q_head, q_row, k, v, out, spans, n_spans, tables, heads_q, heads_kv, dim, slots, block, scale, threads);
+void specserve_paged_attention_f32(const float* q, int64_t q_head, int64_t q_row, float* k, float* v, float* out,
+                                   const float* new_k, const float* new_v, int64_t new_head, int64_t new_row,
+                                   const int64_t* spans, int64_t n_spans, const int64_t* tables, int64_t heads_q,
+                                   int64_t heads_kv, int64_t dim, int64_t slots, int64_t block, float scale, int64_t threads) {
+  attend(q, q_head, q_row, k, v, out, new_k, new_v, new_head, new_row, spans, n_spans, tables, heads_q, heads_kv,
+         dim, slots, block, scale, threads);
 }
-void specserve_paged_attention_bf16(const bf16* q, int64_t q_head, int64_t q_row, const bf16* k, const bf16* v,
-                                    bf16* out, const int64_t* spans, int64_t n_spans, const int64_t* tables,
-                                    int64_t heads_q, int64_t heads_kv, int64_t dim, int64_t slots, int64_t block,
-                                    float scale, int64_t threads) {
-  attend(q, q_head, q_row, k, v, out, spans, n_spans, tables, heads_q, heads_kv, dim, slots, block, scale, threads);
+void specserve_paged_attention_bf16(const bf16* q, int64_t q_head, int64_t q_row, bf16* k, bf16* v, bf16* out,
+                                    const bf16* new_k, const bf16* new_v, int64_t new_head, int64_t new_row,
+                                    const int64_t* spans, int64_t n_spans, const int64_t* tables, int64_t heads_q,
+                                    int64_t heads_kv, int64_t dim, int64_t slots, int64_t block, float scale, int64_t threads) {
+  attend(q, q_head, q_row, k, v, out, new_k, new_v, new_head, new_row, spans, n_spans, tables, heads_q, heads_kv,
+         dim, slots, block, scale, threads);
 }
 }
