@@ -222,14 +222,16 @@ extern "C" {
 void specserve_paged_attention_f32(const float* q, int64_t q_head, int64_t q_row, float* k, float* v, float* out,
                                    const float* new_k, const float* new_v, int64_t new_head, int64_t new_row,
                                    const int64_t* spans, int64_t n_spans, const int64_t* tables, int64_t heads_q,
-                                   int64_t heads_kv, int64_t dim, int64_t slots, int64_t block, float scale, int64_t threads) {
+                                   int64_t heads_kv, int64_t dim, int64_t slots, int64_t block, float scale,
+                                   int64_t threads) {
   attend(q, q_head, q_row, k, v, out, new_k, new_v, new_head, new_row, spans, n_spans, tables, heads_q, heads_kv,
          dim, slots, block, scale, threads);
 }
 void specserve_paged_attention_bf16(const bf16* q, int64_t q_head, int64_t q_row, bf16* k, bf16* v, bf16* out,
                                     const bf16* new_k, const bf16* new_v, int64_t new_head, int64_t new_row,
                                     const int64_t* spans, int64_t n_spans, const int64_t* tables, int64_t heads_q,
-                                    int64_t heads_kv, int64_t dim, int64_t slots, int64_t block, float scale, int64_t threads) {
+                                    int64_t heads_kv, int64_t dim, int64_t slots, int64_t block, float scale,
+                                    int64_t threads) {
   attend(q, q_head, q_row, k, v, out, new_k, new_v, new_head, new_row, spans, n_spans, tables, heads_q, heads_kv,
          dim, slots, block, scale, threads);
 }
