@@ -3,6 +3,7 @@ F.linear to rounding, bit-identical rows whatever else is in the call, and the s
 and eager."""
 
 import copy
+import threading
 
 import pytest
 import torch
@@ -111,6 +112,79 @@ def test_pack_linears_swaps_every_linear_and_keeps_the_logits(target_model, toke
     assert swapped == linears and not any(type(m) is nn.Linear for m in model.modules())
     assert all(m.kernel for m in model.modules() if isinstance(m, cpu_linear.PackedLinear))
     torch.testing.assert_close(after, before, rtol=1e-4, atol=1e-4)
+
+
+def _siblings(in_features: int, outs: list[int], bias: bool) -> nn.Module:
+    parent = nn.Module()
+    torch.manual_seed(len(outs) + in_features)
+    for name, n in zip(("q_proj", "k_proj", "v_proj"), outs):
+        setattr(parent, name, nn.Linear(in_features, n, bias=bias))
+    return parent
+
+
+@pytest.mark.parametrize("dtype", [None, torch.bfloat16])
+@pytest.mark.parametrize("in_features, outs, bias", [(576, [576, 192, 192], False), (72, [72, 24, 24], True),
+                                                     (33, [70, 17], False)])
+def test_merged_siblings_equal_the_separate_layers_bit_for_bit(dtype, in_features, outs, bias):
+    """One kernel call over the stacked weights gives each member's columns as its own layer does, for
+    every row count, called in order, out of order or on inputs of their own."""
+    parent = _siblings(in_features, outs, bias)
+    names = [n for n in ("q_proj", "k_proj", "v_proj") if hasattr(parent, n)]
+    separate = {n: cpu_linear.PackedLinear(getattr(parent, n), True, dtype) for n in names}
+    assert cpu_linear._merge(parent, tuple(names), True, dtype) == len(names)
+    members = {n: getattr(parent, n) for n in names}
+    assert all(isinstance(m, cpu_linear.MergedLinear) for m in members.values())
+    assert len({id(m.stacked) for m in members.values()}) == 1  # one packed copy of the weights
+    for rows in (1, 5, 17):
+        x, other = torch.randn(2, rows, in_features), torch.randn(2, rows, in_features)
+        for order in (names, names[::-1]):
+            for n in order:
+                assert torch.equal(members[n](x), separate[n](x)), (n, rows, order)
+        for n in names:  # each member on an input of its own: the product computed again for it
+            assert torch.equal(members[n](x if n == names[0] else other), separate[n](x if n == names[0] else other))
+    assert members[names[0]].last.value is None  # the group's last member drops what it held
+
+
+def test_merged_siblings_called_from_two_threads_at_once_stay_each_threads_own():
+    """A replica's forward thread and its background compile run the same modules: a member never takes
+    the product another thread computed for its own input."""
+    parent = _siblings(96, [96, 32, 32], False)
+    names = ("q_proj", "k_proj", "v_proj")
+    separate = {n: cpu_linear.PackedLinear(getattr(parent, n), True) for n in names}
+    cpu_linear._merge(parent, names, True, None)
+    inputs = [torch.randn(1, 3, 96) for _ in range(2)]
+    want = [{n: separate[n](x) for n in names} for x in inputs]
+    wrong = []
+
+    def calls(t: int) -> None:
+        for _ in range(300):
+            for n in names:
+                if not torch.equal(getattr(parent, n)(inputs[t]), want[t][n]):
+                    wrong.append((t, n))
+
+    threads = [threading.Thread(target=calls, args=(t,)) for t in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not wrong, wrong[:5]
+
+
+def test_a_runner_on_merged_siblings_gives_the_separate_layers_logits_bit_for_bit(monkeypatch, target_model, tokenizer):
+    merged = ModelRunner(copy.deepcopy(target_model), tokenizer, Execution(compile="off", pack=True))
+    monkeypatch.setattr(cpu_linear, "MERGED", ())
+    separate = ModelRunner(copy.deepcopy(target_model), tokenizer, Execution(compile="off", pack=True))
+    layers = target_model.config.num_hidden_layers
+    assert sum(isinstance(m, cpu_linear.MergedLinear) for m in merged.model.modules()) == 5 * layers
+    assert not any(isinstance(m, cpu_linear.MergedLinear) for m in separate.model.modules())
+    assert merged.packed_linears == separate.packed_linears
+    context = [5, 9, 30, 2, 17, 40, 41]
+    for runner in (merged, separate):
+        runner.outs = [runner.forward([SeqInput("s", context, len(context))])[0],  # a prompt
+                       runner.forward([SeqInput("s", context + [7], 1)])[0],  # a step
+                       runner.forward([SeqInput("s", context + [7, 8, 9, 10], 3)])[0]]  # a verify's rows
+    for a, b in zip(merged.outs, separate.outs):
+        assert torch.equal(a, b)
 
 
 def test_compiled_and_eager_steps_run_the_same_linears_and_give_the_same_tokens(target_model, tokenizer):
