@@ -43,9 +43,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
-from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
-from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
 
 from app.model import cpu_attention
 from app.model.kv import BLOCK_SIZE, BlockPool, SequenceCache
@@ -316,9 +314,16 @@ def ragged_attention(module, query: torch.Tensor, key: torch.Tensor, value: torc
     return torch.ops.specserve.ragged_attention(query, key, value, layer, scale), None
 
 
-AttentionInterface.register(NAME, ragged_attention)
-# plain calls (generate, tests' references) keep SDPA's masks
-AttentionMaskInterface.register(NAME, ALL_MASK_ATTENTION_FUNCTIONS["sdpa"])
+def register() -> None:
+    """Make NAME one of transformers' attention implementations (again: a no-op). Called where a model
+    is given to a runner, not at import: transformers' attention and mask registries live in its modeling
+    stack, seconds of CPU to import in a process that loads no model (the app's build)."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
+
+    AttentionInterface.register(NAME, ragged_attention)
+    # plain calls (generate, tests' references) keep SDPA's masks
+    AttentionMaskInterface.register(NAME, ALL_MASK_ATTENTION_FUNCTIONS["sdpa"])
 
 
 def supports_ragged(model) -> bool:

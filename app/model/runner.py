@@ -9,7 +9,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig, PreTrainedModel
+from transformers import AutoConfig, AutoTokenizer
 
 from app.model import cpu_attention, dtypes
 from app.model.compiled import LAYERS_PER_GRAPH, CompiledSteps, agrees, unavailable
@@ -18,7 +18,7 @@ from app.model.eos import eos_ids
 from app.grammar import Grammars
 from app.model.kv import BLOCK_SIZE, KVStore, common_prefix
 from app.model.batches import Batch, RaggedBatch, SeqInput
-from app.model.ragged import Layout, active, shape_free_sdpa, supports_ragged
+from app.model.ragged import Layout, active, register, shape_free_sdpa, supports_ragged
 from app.model.ragged import NAME as RAGGED
 from app.model.varlen import varlen_available
 
@@ -40,12 +40,16 @@ def weights_dtype(name_or_path: str, dtype: str, device: str = "cpu", trust_remo
 def load_model(
     name_or_path: str, *, dtype: str = "float32", device: str = "cpu", trust_remote_code: bool = False,
     tp_size: int = 1,
-) -> tuple[PreTrainedModel, object]:
+) -> tuple["PreTrainedModel", object]:
     """Load (model, tokenizer) from a hub id or a local directory; offline when HF_HUB_OFFLINE=1.
     tp_size > 1: this process's shard of a tensor-parallel model (transformers' tp_plan, over the
     torch.distributed group the caller set up), on the device that group gave it."""
     offline = os.environ.get("HF_HUB_OFFLINE") == "1"
     kwargs = dict(trust_remote_code=trust_remote_code, local_files_only=offline)
+    # imported here, not with the module: transformers' modeling stack costs seconds of CPU in every process
+    # that imports the engine without loading a model (the app's build)
+    from transformers import AutoModelForCausalLM
+
     torch_dtype = weights_dtype(name_or_path, dtype, device, trust_remote_code)
     tokenizer = AutoTokenizer.from_pretrained(name_or_path, **kwargs)
     if tp_size > 1:
@@ -60,6 +64,8 @@ def load_model(
 
 def load_generation_config(name_or_path: str, trust_remote_code: bool = False):
     """A checkpoint's generation config, or None where it ships none."""
+    from transformers import GenerationConfig
+
     try:
         return GenerationConfig.from_pretrained(name_or_path, trust_remote_code=trust_remote_code,
                                                 local_files_only=os.environ.get("HF_HUB_OFFLINE") == "1")
@@ -107,7 +113,7 @@ def auto_attention(dtype: torch.dtype, device_type: str, cpu_kernel: bool) -> st
 class ModelRunner:
     """Runs one model over many sequences at once, reusing each sequence's cached prefix."""
 
-    def __init__(self, model: PreTrainedModel, tokenizer, execution: Execution = Execution(), *,
+    def __init__(self, model: "PreTrainedModel", tokenizer, execution: Execution = Execution(), *,
                  max_cache_bytes: int = 1 << 30, max_forward_tokens: int = 2048):
         self.model = model
         # positions one forward computes at most (what the memory model sized working buffers for): a
@@ -126,6 +132,7 @@ class ModelRunner:
         # whose attention that cannot reproduce exactly (sliding windows, soft-capping) use padded batches
         self.ragged = supports_ragged(model)
         if self.ragged:
+            register()
             model.config._attn_implementation = RAGGED
         self.attention = self._attention_path(execution.attention)
         if self.device.type == "cuda" and self.ragged:
