@@ -187,7 +187,7 @@ def test_tensor_parallel_ranks_agree_on_the_smallest_budget():
     procs = [ctx.Process(target=_agree, args=(r, 3, port, budgets, out)) for r in range(3)]
     for p in procs:
         p.start()
-    results = dict(out.get(timeout=120) for _ in procs)
+    results = dict(out.get(timeout=600) for _ in procs)  # a bound on a hang: three processes start torch
     for p in procs:
         p.join(timeout=60)
     assert results == {0: 3 * GiB, 1: 3 * GiB, 2: 3 * GiB}

@@ -37,10 +37,14 @@ def _best_seconds(a: torch.Tensor, b: torch.Tensor, reps: int, budget_s: float) 
     return best
 
 
-@functools.cache
 def cpu_speedup(dtype: torch.dtype = torch.bfloat16) -> float:
-    """float32 matmul time over `dtype` matmul time on this CPU, measured once per process (bf16:
-    about 2-4 where native, about 0.01 in torch's scalar fallback)."""
+    """float32 matmul time over `dtype` matmul time on this CPU, measured once per process and dtype
+    (bf16: about 2-4 where native, about 0.01 in torch's scalar fallback)."""
+    return _probe(dtype)  # one cache key per dtype: `cpu_speedup()` and `cpu_speedup(bf16)` measured once
+
+
+@functools.cache
+def _probe(dtype: torch.dtype) -> float:
     gen = torch.Generator().manual_seed(0)
     a, b = (torch.randn(_PROBE_N, _PROBE_N, generator=gen) for _ in range(2))
     fp32 = _best_seconds(a, b, reps=5, budget_s=0.05)
