@@ -7,6 +7,7 @@ import sys
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from transformers import AutoConfig, AutoTokenizer
@@ -21,6 +22,9 @@ from app.model.batches import Batch, RaggedBatch, SeqInput
 from app.model.ragged import Layout, active, register, shape_free_sdpa, supports_ragged
 from app.model.ragged import NAME as RAGGED
 from app.model.varlen import varlen_available
+
+if TYPE_CHECKING:  # the modeling stack loads with a model (load_model), not with this module
+    from transformers import PreTrainedModel
 
 log = logging.getLogger(__name__)
 
