@@ -197,7 +197,7 @@ MODELING = ("transformers.modeling_utils", "transformers.masking_utils", "torch.
 def test_processes_that_load_no_model_import_no_modeling_code(module, heavy):
     """An ingress replica and the app's build (a process of its own at every deploy) load no model:
     importing them must not import transformers' modeling stack (its attention and mask registries
-    included) or dynamo: seconds of CPU in every such process (the build: 13.6 -> 8.7 s on 2 cores)."""
+    included) or dynamo: seconds of CPU in every such process (the build's import: 13.6 -> 8.7 s on 2 cores)."""
     import subprocess
     import sys
 
