@@ -257,6 +257,9 @@ def add_bench_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         "figures side by side with ours; repeatable")
     p.add_argument("--concurrency", default="1,4,16", help="with --url: concurrent streams per level")
     p.add_argument("--request-timeout", type=float, default=300.0, help="with --url: seconds per request")
+    p.add_argument("--api-key", default=None,
+                   help="with --url: sent as a bearer token to every server of the sweep (default: "
+                        "$SPECSERVE_API_KEY, then $OPENAI_API_KEY, then none)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     return p
 

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import re
 import sys
 import time
@@ -226,6 +227,9 @@ async def served_model(client: httpx.AsyncClient) -> str:
         response = await client.get("/v1/models")
     except httpx.HTTPError as e:
         raise ServerError(f"cannot reach {client.base_url}: {e}; is `specserve serve` running there?") from None
+    if response.status_code == 401:
+        raise ServerError(f"GET {client.base_url}/v1/models: HTTP 401: the server wants an API key "
+                          "(--api-key, or SPECSERVE_API_KEY in the environment)")
     if response.status_code != 200:
         raise ServerError(f"GET /v1/models: HTTP {response.status_code}: {response.text[:300]}")
     return response.json()["data"][0]["id"]
@@ -245,15 +249,18 @@ class Sweep:
     peers: list[str] = field(default_factory=list)
 
 
-async def run_sweep(url: str, sweep: Sweep, progress: bool = True, timeout_s: float = 300.0) -> dict:
-    """Every concurrency level, every mode at each (target first, peers last); returns the report."""
+async def run_sweep(url: str, sweep: Sweep, progress: bool = True, timeout_s: float = 300.0,
+                    api_key: str | None = None) -> dict:
+    """Every concurrency level, every mode at each (target first, peers last); returns the report.
+    `api_key`: sent as a bearer token to every server (ours refuses /v1 without it when it has one)."""
     prompts, names, levels, max_tokens, peers = sweep.prompts, sweep.names, sweep.levels, sweep.max_tokens, sweep.peers
     modes = ["target"] + [m for m in sweep.modes if m != "target"]  # the baseline runs first at every level
     for m in modes:
         speculation_of(m)
     bases = {m: url for m in modes} | {PEER + p.split("://")[-1].rstrip("/"): p.rstrip("/") for p in peers}
     limits = httpx.Limits(max_connections=max(levels) + 4, max_keepalive_connections=max(levels) + 4)
-    clients = {m: httpx.AsyncClient(base_url=b, timeout=httpx.Timeout(timeout_s), limits=limits)
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    clients = {m: httpx.AsyncClient(base_url=b, timeout=httpx.Timeout(timeout_s), limits=limits, headers=headers)
                for m, b in bases.items()}
     try:
         names_served = {m: await served_model(c) for m, c in clients.items()}
@@ -391,7 +398,9 @@ def url_cli(args) -> int:
     prompts, names = load_prompts(args.prompts, args.num_prompts)
     try:
         sweep = Sweep(prompts, names, modes, levels, args.max_tokens, list(args.peer or []))
-        report = asyncio.run(run_sweep(args.url.rstrip("/"), sweep, not args.no_progress, args.request_timeout))
+        api_key = args.api_key or os.environ.get("SPECSERVE_API_KEY") or os.environ.get("OPENAI_API_KEY")
+        report = asyncio.run(run_sweep(args.url.rstrip("/"), sweep, not args.no_progress, args.request_timeout,
+                                       api_key))
     except (ExactnessError, *FAILURES) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1

@@ -76,6 +76,31 @@ def test_the_right_key_is_served_and_health_stays_open(http):
 
 
 @pytest.mark.slow
+def test_the_http_benchmark_sends_the_key_and_says_when_one_is_wanted(app, tmp_path, capsys, monkeypatch):
+    import argparse
+
+    from specserve import bench, bench_http
+
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text('{"prompt": "def f(x):"}\n')
+
+    def sweep(*extra: str) -> int:
+        parser = bench.add_bench_arguments(argparse.ArgumentParser())
+        return bench_http.url_cli(parser.parse_args(["--url", app, "--prompts", str(prompts), "--concurrency", "1",
+                                                     "--max-tokens", "4", "--modes", "target", "--no-progress",
+                                                     *extra]))
+
+    for name in ("SPECSERVE_API_KEY", "OPENAI_API_KEY"):
+        monkeypatch.delenv(name, raising=False)
+    assert sweep() == 1
+    assert "HTTP 401: the server wants an API key (--api-key" in capsys.readouterr().err
+    assert sweep("--api-key", KEY) == 0
+    assert "target" in capsys.readouterr().out
+    monkeypatch.setenv("SPECSERVE_API_KEY", KEY)
+    assert sweep() == 0
+
+
+@pytest.mark.slow
 def test_the_key_is_never_logged(http):
     import ray
 
