@@ -39,12 +39,21 @@ namespace {
 // a 5-row verify streaming the weights three times; at 1 row, four streams. Measured on the reference
 // target's linears (AMD EPYC, Zen 3, one thread, float32; ms for all of them, against the 2 x 32 tiles):
 // 1 row 36 against 39, 3 rows 45 against 66, 5 rows 56 against 77, 16 rows 110 against 145.
+// FIRST_ALONE: whether the first row of a call streams the weights from memory by itself, the other rows'
+// tiles then reading them from L2 (see run()). With AVX-512 every row takes one pass: on a Zen 4 EPYC (one
+// thread, the reference target's linears; ms for all of them, first row alone -> one pass, both builds
+// interleaved, medians) float32 1 row 26.8 -> 26.7, 5 rows 38.2 -> 26.5, 9 rows 46.6 -> 35.7, 16 rows 63.9
+// -> 53.8; bfloat16 pairs 5 rows 18.1 -> 13.5, 16 rows 32.5 -> 26.6. Tiles of 7 rows (28 sums) then 9 rows
+// 33.6, 16 rows 50.9 (float32). Asking for weights ahead (PREFETCH 16) lost: 5 rows 32.6.
 #if defined(__AVX512F__)
-constexpr int LANES = 16, GROUP = 4, ROWS = 6, ACCUMULATORS = 24, STREAMS = 2, PREFETCH = 0;
+constexpr int LANES = 16, GROUP = 4, ROWS = 7, ACCUMULATORS = 28, STREAMS = 2, PREFETCH = 0;
+constexpr bool FIRST_ALONE = false;
 #elif defined(__AVX__)
 constexpr int LANES = 8, GROUP = 2, ROWS = 6, ACCUMULATORS = 12, STREAMS = 4, PREFETCH = 16;
+constexpr bool FIRST_ALONE = true;
 #else
 constexpr int LANES = 4, GROUP = 4, ROWS = 2, ACCUMULATORS = 8, STREAMS = 2, PREFETCH = 0;
+constexpr bool FIRST_ALONE = true;
 #endif
 constexpr int BAND = 4;  // column groups run through every row tile before the next (they stay in L2)
 constexpr int GW = GROUP * LANES;
@@ -138,8 +147,9 @@ void run(const X* x, int64_t m, int64_t k_dim, const W* packed, int64_t n, const
     // from memory, which ran at half the rate of the first row's STREAMS side by side. So the first row
     // streams the band from memory alone and the tiles read it from L2. AVX2 EPYC (Zen 3), one thread, the
     // reference target's float32 linears, both builds interleaved, medians: 1 row 37.6 ms either way, 2 rows
-    // 50.3 -> 46.8, 5 rows 61.5 -> 60.6, 16 rows 112 -> 97 (3 rows 50.7 -> 52.4). AVX-512 not measured.
-    if (m > 1) {
+    // 50.3 -> 46.8, 5 rows 61.5 -> 60.6, 16 rows 112 -> 97 (3 rows 50.7 -> 52.4). With AVX-512 (above) the
+    // rows' tiles stream the weights as fast as one row does: one pass.
+    if (FIRST_ALONE && m > 1) {
       rows<1>(x, k_dim, packed, y, n, g, g_end);
       r = 1;
     }
