@@ -392,6 +392,21 @@ def test_the_gate_decides_per_load():
     assert gate.rates[(True, 4)] < gate.rates[(False, 4)] and gate.rates[(True, 1)] > gate.rates[(False, 1)]
 
 
+def test_where_plain_steps_won_at_a_lower_load_a_higher_one_starts_plain():
+    """A burst passes through every load on its way up: where plain steps measured faster with two in
+    flight, speculation is not measured first with 16, but tried after the longest wait."""
+    clock = Clock()
+    gate = GoodputGate(clock=clock)
+    windows(gate, clock, {True: 600.0, False: 800.0}, 4, active=2)
+    busy = windows(gate, clock, {True: 600.0, False: 800.0}, gate.explore_max + 2, active=16)
+    assert not any(busy[: gate.explore_max - 4])
+    assert any(busy) and gate.rates[(True, 4)] < gate.rates[(False, 4)]  # tried there in the end, and measured
+    # where speculation won at the lower load, the higher one measures it first, as before
+    clock, gate = Clock(), GoodputGate(clock=clock)
+    windows(gate, clock, {True: 800.0, False: 600.0}, 4, active=2)
+    assert windows(gate, clock, {True: 600.0, False: 800.0}, 3, active=16)[1] is True
+
+
 def test_a_window_pools_enough_rounds_to_see_past_the_text():
     """A window of a few rounds measures a run of easy or hard tokens, not the mode: one closes only
     after `min_rounds`, and each mode's windows are pooled, tokens over seconds."""

@@ -93,6 +93,16 @@ class GoodputGate:
     def _next(self, bucket: int) -> bool:
         rates = self.rates
         spec, plain = rates.get((True, bucket)), rates.get((False, bucket))
+        if spec is None and self._plain_won_below(bucket):
+            # plain steps measured faster at a lower load: speculation only loses ground as the load grows
+            # (the verify's rows and the draft's work grow with it), so at this load it is tried after the
+            # longest wait rather than first. Each load a burst passes through (2, 4, 8, 16 in flight) once
+            # cost a speculative window where plain steps had already won.
+            self._since_explore += 1
+            if self._since_explore >= self.explore_max:
+                self._since_explore = 0
+                return True
+            return False
         if spec is None or plain is None:  # measure the mode not yet seen at this load
             self._since_explore = 0
             return spec is None
@@ -102,6 +112,12 @@ class GoodputGate:
             self._since_explore = 0
             return not best
         return best
+
+    def _plain_won_below(self, bucket: int) -> bool:
+        """Whether plain steps measured faster at the nearest lower load where both modes were measured."""
+        rates = self.rates
+        both = [b for (speculating, b) in rates if speculating and b < bucket and (False, b) in rates]
+        return bool(both) and rates[(False, max(both))] > rates[(True, max(both))]
 
     def _interval(self, gap: float) -> int:
         """Windows before the slower mode is tried again, for a gap (its share of the slower rate)."""
