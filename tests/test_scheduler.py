@@ -373,6 +373,11 @@ class DraftFirst:
 
     async def submit(self, item):
         if hasattr(item, "proposal"):  # a verify round
+            # a draft asked just before this verify (drafting ahead) is a task that reaches submit a few
+            # turns of the loop later: let it, or the verify would start beside it and the draft's thread
+            # race the target's (under load the draft lost, and no round found its proposal ready)
+            for _ in range(20):
+                await asyncio.sleep(0)
             if self.in_flight:
                 self.idle.clear()
                 await asyncio.wait_for(self.idle.wait(), 60)
