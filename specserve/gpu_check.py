@@ -109,9 +109,15 @@ def check_sampling(device: str, smoke: bool) -> dict:
 
 # --- 3. the served path's engine pieces ---------------------------------------------------------
 
-@torch.inference_mode()
 def step_ms(runner: ModelRunner, batch: int, context: int, steps: int) -> float:
-    """Milliseconds of one ragged step of `batch` sequences of `context` cached positions (synced)."""
+    """Milliseconds of one ragged step of `batch` sequences of `context` cached positions (synced), on the
+    runner's forward thread, where its CUDA graphs were recorded (replayed from another thread they would
+    be recorded again)."""
+    return runner.on_thread(_step_ms, runner, batch, context, steps)
+
+
+@torch.inference_mode()
+def _step_ms(runner: ModelRunner, batch: int, context: int, steps: int) -> float:
     seqs = [SeqInput(f"step-{i}", prompts(1, context, runner.vocab_size, seed=i)[0], 1) for i in range(batch)]
     runner.forward(seqs)
 

@@ -205,3 +205,30 @@ def test_a_cpu_compiles_one_graph_per_bucket_whatever_the_depth(tokenizer):
 @pytest.mark.parametrize("depth, most, length", [(30, 6, 6), (30, 4, 3), (7, 6, 1), (2, 6, 2), (4, 1, 1)])
 def test_a_graph_runs_the_largest_divisor_of_the_depth_up_to_the_setting(depth, most, length):
     assert compiled._graph_length(depth, most) == length
+
+
+def test_a_reduce_overhead_step_gives_its_thread_cuda_graph_trees_of_its_own(monkeypatch):
+    """Inductor's CUDA graph trees keep their managers in thread-local state. Before torch 2.13 only the
+    thread that imported the module had it, and the fourth GPU run (an H200, torch 2.11) failed there:
+    the draft's forward thread met `assert torch._C._is_key_in_tls(...)` once the target's forward
+    thread had imported the module. A reduce-overhead step gives its thread the state first, and runs
+    one at a time in the process (capture is process-wide state). The graph is stubbed: a CPU records
+    no CUDA graph."""
+    from torch._inductor import cudagraph_trees as trees
+
+    steps = compiled.CompiledSteps.__new__(compiled.CompiledSteps)
+    steps.mode, steps.per_layer = "reduce-overhead", False
+    seen = {}
+
+    def graph(ids, positions):
+        seen["state"] = trees.local.__dict__.get("tree_manager_containers")
+        seen["in_tls"] = torch._C._is_key_in_tls("tree_manager_containers")
+        seen["serialised"] = compiled._graph_steps.locked()
+        return ids
+
+    steps.graph = graph
+    worker = threading.Thread(target=steps.run, args=(torch.zeros(1, 1), torch.zeros(1, 1)))
+    worker.start()
+    worker.join(timeout=60)
+    assert seen == {"state": {}, "in_tls": True, "serialised": True}
+    assert not compiled._graph_steps.locked()

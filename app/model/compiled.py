@@ -25,6 +25,7 @@ around ops tagged cudagraph_unsafe). On a CPU the graphs need a C++ compiler; wi
 stays eager and says so.
 """
 
+import collections
 import logging
 import shutil
 import threading
@@ -85,6 +86,29 @@ def agrees(eager: torch.Tensor, compiled: torch.Tensor, dtype: torch.dtype) -> t
 
 
 _regional = threading.local()  # the CompiledSteps whose step this thread runs (per_layer), if any
+
+# One reduce-overhead step at a time in the process: CUDA graph capture and its memory pool's warm-up are
+# process-wide state, and a capture in one thread breaks on another's work (torch 2.13 serialises them
+# itself; 2.11, the lent GPUs' build, does not). Two runners of one process (the engine in process, the
+# gpu check) then take turns; served replicas are processes of their own.
+_graph_steps = threading.Lock()
+
+
+def _own_graph_trees() -> None:
+    """Give the calling thread inductor's CUDA graph tree state where it has none. Before torch 2.13 only
+    the thread that imported inductor's cudagraph_trees (and autograd's threads) had it, and a step run on
+    any other thread failed an assertion in `get_obj`: on the fourth GPU run the draft's forward thread,
+    once the target's had imported the module. Each runner's one forward thread gets its own trees, as
+    torch 2.13 does itself for every thread (there this finds the state made and returns)."""
+    from torch._inductor import cudagraph_trees as trees
+
+    local = getattr(trees, "local", None)
+    if local is None or hasattr(local, "tree_manager_containers") or torch._C._is_key_in_tls("tree_manager_containers"):
+        return
+    local.tree_manager_containers = {}
+    local.tree_manager_locks = collections.defaultdict(threading.Lock)
+    torch._C._stash_obj_in_tls("tree_manager_containers", local.tree_manager_containers)
+    torch._C._stash_obj_in_tls("tree_manager_locks", local.tree_manager_locks)
 
 
 # per_layer's default graph length. The compiler's dispatch costs ~0.25 ms a call (dynamo's guards, its
@@ -170,6 +194,10 @@ class CompiledSteps:
 
     def run(self, input_ids: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
         """The decoder's last hidden states of a packed row whose length is a bucket, [1, T, H]."""
+        if self.mode == "reduce-overhead":
+            _own_graph_trees()
+            with _graph_steps:
+                return self.graph(input_ids, position_ids)
         if not self.per_layer:
             return self.graph(input_ids, position_ids)
         _regional.steps = self
