@@ -19,7 +19,10 @@ architecture, with random weights scaled so its distributions are peaked like a 
 5. production path: the pair loaded as a replica loads it (the budget from the device's memory), bf16,
    compiled, 32 requests (greedy and seeded sampled), recompiles an error once warm, syncs counted
    (torch.cuda.set_sync_debug_mode); a second run must give the same tokens.
-6. benchmark: a Llama-shaped target of about 1B parameters and a 2-layer draft in bf16 (float32 on a
+6. tensor parallel (specserve/gpu_tp.py): two ranks started as a replica's rank workers start (NCCL, one
+   GPU each; gloo on a CPU), verify rounds that accept, reject and recover, against `generate`, and a
+   round's time at tensor_parallel_size 1 and 2; skipped, saying so, with fewer than two GPUs.
+7. benchmark: a Llama-shaped target of about 1B parameters and a 2-layer draft in bf16 (float32 on a
    CPU without native bf16, where the bf16 identity check is skipped too: `app.model.dtypes`); the K+1
    verify cost against one step at batch 1, 8 and 32, the cost ratio c, and tok/s of speculative
    decoding against HF `generate` and HF assisted generation.
@@ -41,6 +44,7 @@ import torch._dynamo
 
 from app.model import dtypes
 from specserve.gpu_models import blend, llama, near_tie, prompts, tokenizer
+from specserve.gpu_tp import check_tensor_parallel
 from specserve.bench_runs import K_MATCHED, MODES, Mode, forward_ms, run_engine, run_hf
 from app.speculation.driver import DraftPolicy
 from app.engine import Engine, EngineSettings
@@ -345,7 +349,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--smoke", action="store_true", help="tiny sizes: the same code in seconds, e.g. on a CPU")
     p.add_argument("--json", help="write the report here")
     p.add_argument("--only", help="comma-separated steps to run (default all): identity_fp32, identity_bf16, "
-                                  "sampling, attention, served_path, production_path, benchmark")
+                                  "sampling, attention, served_path, production_path, tensor_parallel, benchmark")
     p.add_argument("--isolate", type=float, metavar="SECONDS",
                    help="each step in a process of its own, stopped after SECONDS (specserve/gpu_steps.py)")
     args = p.parse_args(argv)
@@ -365,6 +369,8 @@ def main(argv: list[str] | None = None) -> int:
              ("attention", lambda: check_attention(args.device, args.smoke)),
              ("served_path", lambda: check_served_path(args.device, args.smoke)),
              ("production_path", lambda: check_production(args.device, args.smoke)),
+             ("tensor_parallel", lambda: check_tensor_parallel(
+                 args.device, torch.float32 if args.smoke else dtypes.compute_dtype(args.device), args.smoke)),
              ("benchmark", lambda: benchmark(args.device, args.smoke))]
     if args.only:
         unknown = set(args.only.split(",")) - {name for name, _ in steps}

@@ -22,6 +22,9 @@ def test_the_gpu_check_runs_end_to_end_at_smoke_sizes(tmp_path):
     assert production["kv_tokens"] >= 2048 and production["rounds"] > 0
     paths = report["attention"]["paths"]  # the GPU's attention paths: varlen here through its reference
     assert set(paths) == {"per_sequence", "varlen"} and all(p["identical"] == 4 for p in paths.values())
+    tp = report["tensor_parallel"]  # two ranks over gloo, loaded and started as a replica's rank workers
+    assert all(tp[n]["identical"] == tp["sequences"] for n in ("tp1", "tp2"))
+    assert all(0 < tp[n]["accepted_per_round"] <= 2 for n in ("tp1", "tp2"))  # rounds accept, reject and recover
     bench = report["benchmark"]
     assert set(bench["costs_by_batch"]) == {"1", "8", "32"} and bench["c"] > 0
     assert set(bench["tokens_per_s"]) == {"speculative K=4", "speculative auto", "HF generate", "HF assisted K=4"}
@@ -40,6 +43,30 @@ def test_a_difference_from_generate_fails_the_check(monkeypatch, tmp_path):
     assert gpu_check.main(["--device", "cpu", "--smoke", "--only", "identity_fp32", "--json", str(out)]) == 1
     identity = json.loads(out.read_text())["identity_fp32"]
     assert not identity["ok"] and identity["failed"] and identity["identical"] < identity["prompts"]
+
+
+def test_a_rank_that_differs_from_generate_fails_the_tensor_parallel_step(monkeypatch):
+    from specserve import gpu_tp
+
+    real = gpu_tp._ranks
+
+    def off_by_one(*args, **kwargs):
+        out = real(*args, **kwargs)
+        out["tokens"][0][5] = (out["tokens"][0][5] + 1) % 512
+        return out
+
+    monkeypatch.setattr(gpu_tp, "_ranks", off_by_one)
+    report = gpu_tp.check_tensor_parallel("cpu", torch.float32, smoke=True)
+    assert not report["ok"] and [f["position"] for f in report["tp2"]["failed"]] == [5]
+    assert report["tp1"]["identical"] == report["sequences"]
+
+
+def test_tensor_parallel_is_skipped_plainly_with_one_gpu(monkeypatch):
+    from specserve import gpu_tp
+
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    assert gpu_tp.check_tensor_parallel("cuda", torch.bfloat16, smoke=False) == {
+        "ok": True, "skipped": "needs 2 GPUs; this machine has 1"}
 
 
 def test_no_gpu_is_said_plainly(monkeypatch, capsys):
