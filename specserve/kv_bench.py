@@ -2,6 +2,7 @@
 
     python -m specserve.kv_bench [--sequences 16] [--rows 5] [--keys 300] [--heads 4] [--head-dim 64]
     python -m specserve.kv_bench --model DIR [--compile default|off]    # a model's whole forwards
+    python -m specserve.kv_bench --model DIR --compile-layers 6,15      # ... by layers a compiled graph
     python -m specserve.kv_bench --model DIR --linears 1,5,16           # a model's linears alone
 
 A batch of `sequences` sequences with `rows` new query rows each and `keys` to `keys + 7 * sequences`
@@ -95,33 +96,43 @@ class _Span:  # app.model.ragged.Span's fields the kernel reads
 
 
 def steps(model_dir: str, compile: str, sequences: int, keys: int, repeats: int,
-          dtype: torch.dtype = torch.float32) -> dict:
+          dtype: torch.dtype = torch.float32, compile_layers: list[int] | None = None) -> dict:
     """ms per whole ragged forward of a model in `dtype`: `sequences` sequences of `keys`+ cached
-    positions each taking 1 row (a decode step) and 5 rows (a K = 4 verify), for each CPU attention path."""
+    positions each taking 1 row (a decode step) and 5 rows (a K = 4 verify), for each CPU attention path;
+    or, given `compile_layers`, on the paged path for each number of layers a compiled graph runs. The
+    variants' forwards are interleaved, so the machine's drift falls on all alike."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from app.model.runner import Execution, ModelRunner, SeqInput
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).eval()
-    out = {}
-    paths = ["per_sequence"] + (["cpu_paged"] if cpu_attention.usable(dtype, torch.device("cpu")) else [])
-    for path in paths:
-        runner = ModelRunner(model, tokenizer, Execution(attention=path, compile=compile, pack=True))  # as served
-        runner.warm(lambda message: None)
+    if compile_layers:
+        variants = {f"{n} layers a graph": Execution(attention="cpu_paged", compile=compile, pack=True, compile_layers=n)
+                    for n in compile_layers}
+    else:
+        paths = ["per_sequence"] + (["cpu_paged"] if cpu_attention.usable(dtype, torch.device("cpu")) else [])
+        variants = {path: Execution(attention=path, compile=compile, pack=True) for path in paths}  # as served
+    runners, contexts = {}, {}
+    for name, execution in variants.items():  # a model each: packing rewrites its linears
+        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).eval()
+        runners[name] = ModelRunner(model, tokenizer, execution)
+        runners[name].warm(lambda message: None)
         gen = torch.Generator().manual_seed(0)
-        contexts = [torch.randint(3, runner.vocab_size, (keys + 7 * i,), generator=gen).tolist()
-                    for i in range(sequences)]
-        runner.forward([SeqInput(f"s{i}", c, 1) for i, c in enumerate(contexts)])
-        for rows in (1, 5):
-            times = []
-            for _ in range(repeats):
-                for c in contexts:
+        contexts[name] = [torch.randint(3, runners[name].vocab_size, (keys + 7 * i,), generator=gen).tolist()
+                          for i in range(sequences)]
+        runners[name].forward([SeqInput(f"s{i}", c, 1) for i, c in enumerate(contexts[name])])
+    out = {}
+    for rows in (1, 5):
+        times = {name: [] for name in runners}
+        for _ in range(repeats):
+            for name, runner in runners.items():
+                for c in contexts[name]:
                     c += [7] * rows
                 t0 = time.perf_counter()
-                runner.forward([SeqInput(f"s{i}", c, rows) for i, c in enumerate(contexts)])
-                times.append((time.perf_counter() - t0) * 1e3)
-            out.setdefault(f"{rows} row{'s' if rows > 1 else ''} per sequence", {})[path] = sorted(times)[len(times) // 2]
+                runner.forward([SeqInput(f"s{i}", c, rows) for i, c in enumerate(contexts[name])])
+                times[name].append((time.perf_counter() - t0) * 1e3)
+        out[f"{rows} row{'s' if rows > 1 else ''} per sequence"] = {
+            name: sorted(t)[len(t) // 2] for name, t in times.items()}
     return out
 
 
@@ -173,6 +184,8 @@ def main() -> None:
                     "attention path instead")
     ap.add_argument("--compile", default="default", help="with --model: off, default (compiled steps)")
     ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"), help="with --model: its dtype")
+    ap.add_argument("--compile-layers", help="with --model: the paged path's forwards for each of these numbers "
+                    "of decoder layers a compiled graph runs (e.g. 6,15), instead of each attention path")
     ap.add_argument("--linears", help="with --model: time its linears alone at these row counts (e.g. 1,5,16), "
                     "the small-row kernel against F.linear, float32")
     args = ap.parse_args()
@@ -184,7 +197,9 @@ def main() -> None:
             print(f"| {r} | {row['kernel']:.1f} | {row['F.linear']:.1f} | {row['kernel GB/s']:.1f} |")
         return
     if args.model:
-        results = steps(args.model, args.compile, args.sequences, args.keys, args.repeats, getattr(torch, args.dtype))
+        layers = [int(n) for n in args.compile_layers.split(",")] if args.compile_layers else None
+        results = steps(args.model, args.compile, args.sequences, args.keys, args.repeats, getattr(torch, args.dtype),
+                        layers)
         print(f"median ms per forward, {args.dtype}, {args.sequences} sequences x {args.keys}+ keys, "
               f"compile {args.compile}, {torch.get_num_threads()} threads")
         print("| rows | " + " | ".join(next(iter(results.values()))) + " |\n|---|" + "---|" * len(next(iter(results.values()))))

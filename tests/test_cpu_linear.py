@@ -39,6 +39,31 @@ def test_bfloat16_weights_widen_exactly_and_the_result_rounds_once():
     torch.testing.assert_close(got.float(), want.float(), rtol=1e-2, atol=1e-2)
 
 
+@pytest.mark.parametrize("pairs", [False, True])
+def test_bfloat16_results_are_written_as_torch_rounds_the_float32_sums(pairs):
+    """A bfloat16 model's linear gets bfloat16 from the kernel, rounded as it writes them: the same bits
+    as its float32 results (bias added) converted by torch, ties to even, a NaN and overflow included."""
+    if pairs and not cpu_linear.pairs_available():
+        pytest.skip("this CPU has no AVX512-BF16")
+    weight, bias = _weights(130, 40, torch.bfloat16)
+    packed = cpu_linear.pack(weight, pairs=pairs)
+    x = torch.randn(9, 40).to(torch.bfloat16)
+    x[3, 0], x[4, 1] = float("nan"), 3e38  # a NaN and sums past bfloat16's largest value
+    rows = x if pairs else x.float()
+    if pairs:
+        rows = torch.nn.functional.pad(rows, (0, 0))  # 40 is even: no padding column
+    fn = cpu_linear._FUNCTIONS[packed.dtype]
+    wide = torch.empty(9, 130)
+    narrow = torch.empty(9, 130, dtype=torch.bfloat16)
+    for y, as_bf16 in ((wide, False), (narrow, True)):
+        fn(rows.contiguous().data_ptr(), 9, packed.shape[1], packed.data_ptr(), 130, bias.data_ptr(), y.data_ptr(),
+           1, as_bf16)
+    want = wide.to(torch.bfloat16)
+    assert torch.equal(narrow.view(torch.int16), want.view(torch.int16))
+    assert want[3].isnan().any() and want[4].isinf().any()  # the special values were reached
+    assert torch.equal(cpu_linear.linear(x, packed, bias, 130).view(torch.int16), want.view(torch.int16))
+
+
 @pytest.mark.skipif(not cpu_linear.pairs_available(), reason="this CPU has no AVX512-BF16")
 @pytest.mark.parametrize("out_features, in_features", [(96, 40), (130, 17), (4096, 576)])
 def test_bfloat16_pairs_give_the_product_to_rounding_and_each_row_alone(out_features, in_features):
@@ -267,3 +292,17 @@ def test_the_linears_benchmark_times_every_linear_of_a_model_both_ways(tmp_path)
     assert list(out) == [1, 5]
     for row in out.values():
         assert set(row) == {"kernel", "F.linear", "kernel GB/s"} and all(v > 0 for v in row.values())
+
+
+def test_the_step_benchmark_times_each_graph_length_on_the_paged_path(tmp_path, tokenizer):
+    """`python -m specserve.kv_bench --model DIR --compile-layers 1,2`: a whole forward of 1 and 5 rows for
+    each number of layers a compiled graph runs (the setting compile_layers), interleaved."""
+    from conftest import make_model
+    from specserve.kv_bench import steps
+
+    make_model(seed=0).save_pretrained(tmp_path)
+    tokenizer.save_pretrained(tmp_path)
+    out = steps(str(tmp_path), "default", sequences=2, keys=8, repeats=2, compile_layers=[1, 2])
+    assert list(out) == ["1 row per sequence", "5 rows per sequence"]
+    for row in out.values():
+        assert list(row) == ["1 layers a graph", "2 layers a graph"] and all(v > 0 for v in row.values())

@@ -45,11 +45,9 @@ def _kernel() -> ctypes.CDLL | None:
     lib = native.load(SOURCE, _FLAGS)
     if lib is not None and lib.specserve_gemm_f32.restype is not None:
         i64, ptr = ctypes.c_int64, ctypes.c_void_p
-        for fn in (lib.specserve_gemm_f32, lib.specserve_gemm_bf16):
-            fn.argtypes = [ptr, i64, i64, ptr, i64, ptr, ptr, i64]
+        for fn in (lib.specserve_gemm_f32, lib.specserve_gemm_bf16, lib.specserve_gemm_pairs):
+            fn.argtypes = [ptr, i64, i64, ptr, i64, ptr, ptr, i64, i64]  # ..., y, threads, y is bfloat16
             fn.restype = None
-        lib.specserve_gemm_pairs.argtypes = [ptr, i64, i64, ptr, i64, ptr, ptr, i64]
-        lib.specserve_gemm_pairs.restype = None
         for fn in (lib.specserve_gemm_pack_f32, lib.specserve_gemm_pack_bf16, lib.specserve_gemm_pack_pairs):
             fn.argtypes = [ptr, i64, i64, ptr]
             fn.restype = None
@@ -107,7 +105,7 @@ _LIBRARY.define("linear(Tensor x, Tensor packed, Tensor? bias, int out_features)
 def _linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, out_features: int) -> torch.Tensor:
     """x [..., in] @ W^T + bias -> [..., out_features] in x's dtype, W packed by `pack`. The kernel
     sums in float32 (bfloat16 inputs and weights widen exactly; pairs: bfloat16 rows against pairs of
-    weights) and the result is rounded once."""
+    weights) and the result is rounded once, by the kernel as it writes it (to x's dtype)."""
     wide = x.dtype == torch.float32  # the common case, with no conversion: a step makes 121 of these calls
     if packed.dtype == torch.int32:  # pairs: a bfloat16 model's rows are bfloat16 already
         rows = x if x.dtype == torch.bfloat16 and x.is_contiguous() else x.to(torch.bfloat16).contiguous()
@@ -118,12 +116,13 @@ def _linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, ou
     count = rows.numel() // rows.shape[-1]
     real = min(count, getattr(_local, "rows", None) or count)
     # a compiled step's padding rows (past `real`) come out zero, uncomputed
-    y = (torch.empty if real == count else torch.zeros)(*x.shape[:-1], out_features, dtype=torch.float32)
+    out = torch.float32 if wide else torch.bfloat16 if x.dtype == torch.bfloat16 else None
+    y = (torch.empty if real == count else torch.zeros)(*x.shape[:-1], out_features, dtype=out or torch.float32)
     b = None if bias is None else bias.to(torch.float32).contiguous()
     fn = _FUNCTIONS[packed.dtype]
     fn(rows.data_ptr(), real, packed.shape[1], packed.data_ptr(), out_features,
-       None if b is None else b.data_ptr(), y.data_ptr(), torch.get_num_threads())
-    return y if wide else y.to(x.dtype)
+       None if b is None else b.data_ptr(), y.data_ptr(), torch.get_num_threads(), out == torch.bfloat16)
+    return y if out else y.to(x.dtype)  # float16 rows: the kernel writes float32
 
 
 _LIBRARY.impl("linear", _linear, "CPU")

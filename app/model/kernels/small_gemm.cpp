@@ -9,8 +9,10 @@
 // is one contiguous stream, [K][GROUP * LANES], read once per tile of ROWS rows.
 //
 // Packed layout: groups = ceil(N / GW), GW = GROUP * LANES; packed[g][k][c] = W[g * GW + c][k],
-// zero past N. Weights are float32 or bfloat16 (widened to float32 as they are read); x, y and
-// bias are float32.
+// zero past N. Weights are float32 or bfloat16 (widened to float32 as they are read); x and bias are
+// float32; y float32, or bfloat16 for a bfloat16 model: each sum (bias added) rounded once as torch
+// rounds float32 to bfloat16, to the nearest even (a step's 121 conversions of float32 results cost a
+// bfloat16 step of the reference target 0.55 ms in torch's calls).
 //
 // Exactness: every output is one chain of fused multiply-adds over k = 0 .. K-1 in order, the same
 // for every row count, tile and thread split, so a row's result never depends on the other rows of
@@ -72,6 +74,20 @@ inline vf load(const uint16_t* p) {  // bfloat16 -> float32: the 16 bits are the
 inline float splat(float v) { return v; }
 inline void mac(vf& acc, float s, vf w) { acc += s * w; }  // contracted to one FMA (-ffp-contract=fast)
 
+// a row's width of results (bias added, where there is one) into y: float32 as they are, or bfloat16
+// rounded to the nearest even as torch's conversion does (on a CPU every NaN becomes 0xFFFF)
+inline void store(float* y, const float* row, int64_t width) { std::memcpy(y, row, width * sizeof(float)); }
+inline void store(uint16_t* y, const float* row, int64_t width) {
+  uint32_t bits[GW];
+  uint16_t out[GW];
+  std::memcpy(bits, row, sizeof(bits));
+  for (int c = 0; c < GW; ++c) {
+    const uint32_t rounded = (bits[c] + 0x7FFFu + ((bits[c] >> 16) & 1u)) >> 16;
+    out[c] = row[c] != row[c] ? uint16_t(0xFFFF) : uint16_t(rounded);
+  }
+  std::memcpy(y, out, width * sizeof(uint16_t));
+}
+
 #if defined(__AVX512BF16__)
 constexpr bool PAIRS = true;
 typedef uint32_t pair;  // two bfloat16 values along k, the lower at the even k
@@ -88,9 +104,10 @@ constexpr bool PAIRS = false;
 
 // rows x[0 .. R) against column groups g .. g + G: G contiguous streams of weights, R * G * GROUP
 // independent accumulator chains
-// X, W: float32 rows against float32 or bfloat16 weights, or bfloat16 pairs against pairs (k_dim pairs)
-template <int R, int G, typename X, typename W>
-void tile(const X* x, int64_t ldx, const W* packed, float* y, int64_t n, int64_t k_dim, int64_t g) {
+// X, W: float32 rows against float32 or bfloat16 weights, or bfloat16 pairs against pairs (k_dim pairs);
+// Y: float32 or bfloat16 results
+template <int R, int G, typename X, typename W, typename Y>
+void tile(const X* x, int64_t ldx, const W* packed, const float* bias, Y* y, int64_t n, int64_t k_dim, int64_t g) {
   vf acc[R][G][GROUP] = {};
   const W* w = packed + g * k_dim * GW;
   for (int64_t k = 0; k < k_dim; ++k) {
@@ -112,31 +129,33 @@ void tile(const X* x, int64_t ldx, const W* packed, float* y, int64_t n, int64_t
     for (int r = 0; r < R; ++r) {
       float row[GW];
       std::memcpy(row, acc[r][h], sizeof(row));
-      std::memcpy(y + r * n + col, row, width * sizeof(float));
+      if (bias)
+        for (int64_t c = 0; c < width; ++c) row[c] += bias[col + c];
+      store(y + r * n + col, row, width);
     }
   }
 }
 
 // rows x[0 .. R) against groups g0 .. g1, up to STREAMS at a time where registers allow
-template <int R, typename X, typename W>
-void rows(const X* x, int64_t k_dim, const W* packed, float* y, int64_t n, int64_t g0, int64_t g1) {
+template <int R, typename X, typename W, typename Y>
+void rows(const X* x, int64_t k_dim, const W* packed, const float* bias, Y* y, int64_t n, int64_t g0, int64_t g1) {
   constexpr int G = std::max(1, std::min(STREAMS, ACCUMULATORS / (R * GROUP)));
   int64_t g = g0;
-  for (; g + G <= g1; g += G) tile<R, G>(x, k_dim, packed, y, n, k_dim, g);
-  for (; g < g1; ++g) tile<R, 1>(x, k_dim, packed, y, n, k_dim, g);
+  for (; g + G <= g1; g += G) tile<R, G>(x, k_dim, packed, bias, y, n, k_dim, g);
+  for (; g < g1; ++g) tile<R, 1>(x, k_dim, packed, bias, y, n, k_dim, g);
 }
 
-template <int R, typename X, typename W>
-void rows_upto(int64_t left, const X* x, int64_t k_dim, const W* packed, float* y, int64_t n, int64_t g0,
-               int64_t g1) {
+template <int R, typename X, typename W, typename Y>
+void rows_upto(int64_t left, const X* x, int64_t k_dim, const W* packed, const float* bias, Y* y, int64_t n,
+               int64_t g0, int64_t g1) {
   if constexpr (R > 0) {
-    if (left == R) return rows<R>(x, k_dim, packed, y, n, g0, g1);
-    rows_upto<R - 1>(left, x, k_dim, packed, y, n, g0, g1);
+    if (left == R) return rows<R>(x, k_dim, packed, bias, y, n, g0, g1);
+    rows_upto<R - 1>(left, x, k_dim, packed, bias, y, n, g0, g1);
   }
 }
 
-template <typename X, typename W>
-void run(const X* x, int64_t m, int64_t k_dim, const W* packed, int64_t n, const float* bias, float* y,
+template <typename X, typename W, typename Y>
+void run(const X* x, int64_t m, int64_t k_dim, const W* packed, int64_t n, const float* bias, Y* y,
          int64_t g0, int64_t g1) {
   // per band of groups: the first row alone, then row tiles of ROWS, then one of the rows left; each row's
   // chain is the same in every instantiation
@@ -150,21 +169,16 @@ void run(const X* x, int64_t m, int64_t k_dim, const W* packed, int64_t n, const
     // 50.3 -> 46.8, 5 rows 61.5 -> 60.6, 16 rows 112 -> 97 (3 rows 50.7 -> 52.4). With AVX-512 (above) the
     // rows' tiles stream the weights as fast as one row does: one pass.
     if (FIRST_ALONE && m > 1) {
-      rows<1>(x, k_dim, packed, y, n, g, g_end);
+      rows<1>(x, k_dim, packed, bias, y, n, g, g_end);
       r = 1;
     }
-    for (; r + ROWS <= m; r += ROWS) rows<ROWS>(x + r * k_dim, k_dim, packed, y + r * n, n, g, g_end);
-    rows_upto<ROWS - 1>(m - r, x + r * k_dim, k_dim, packed, y + r * n, n, g, g_end);
-  }
-  if (bias) {
-    const int64_t c0 = g0 * GW, c1 = std::min(n, g1 * GW);
-    for (int64_t i = 0; i < m; ++i)
-      for (int64_t c = c0; c < c1; ++c) y[i * n + c] += bias[c];
+    for (; r + ROWS <= m; r += ROWS) rows<ROWS>(x + r * k_dim, k_dim, packed, bias, y + r * n, n, g, g_end);
+    rows_upto<ROWS - 1>(m - r, x + r * k_dim, k_dim, packed, bias, y + r * n, n, g, g_end);
   }
 }
 
-template <typename X, typename W>
-void linear(const X* x, int64_t m, int64_t k_dim, const W* packed, int64_t n, const float* bias, float* y,
+template <typename X, typename W, typename Y>
+void linear(const X* x, int64_t m, int64_t k_dim, const W* packed, int64_t n, const float* bias, Y* y,
             int64_t threads) {
   const int64_t groups = (n + GW - 1) / GW;
   // a thread costs tens of microseconds to start: only calls that read megabytes share the work
@@ -173,7 +187,7 @@ void linear(const X* x, int64_t m, int64_t k_dim, const W* packed, int64_t n, co
   if (threads == 1) return run(x, m, k_dim, packed, n, bias, y, 0, groups);
   std::vector<std::thread> pool;
   for (int64_t t = 1; t < threads; ++t)
-    pool.emplace_back(run<X, W>, x, m, k_dim, packed, n, bias, y, groups * t / threads, groups * (t + 1) / threads);
+    pool.emplace_back(run<X, W, Y>, x, m, k_dim, packed, n, bias, y, groups * t / threads, groups * (t + 1) / threads);
   run(x, m, k_dim, packed, n, bias, y, 0, groups / threads);
   for (auto& th : pool) th.join();
 }
@@ -198,14 +212,24 @@ void pack_pairs(const uint16_t* weight, int64_t n, int64_t k_dim, uint32_t* pack
 
 }  // namespace
 
+namespace {
+// y: float32, or bfloat16 where y_bf16
+template <typename X, typename W>
+void linear_to(const X* x, int64_t m, int64_t k, const W* packed, int64_t n, const float* bias, void* y,
+               int64_t threads, int64_t y_bf16) {
+  if (y_bf16) return linear(x, m, k, packed, n, bias, static_cast<uint16_t*>(y), threads);
+  linear(x, m, k, packed, n, bias, static_cast<float*>(y), threads);
+}
+}  // namespace
+
 extern "C" {
 int64_t specserve_gemm_has_pairs() { return PAIRS; }
 void specserve_gemm_pack_pairs(const uint16_t* w, int64_t n, int64_t k, uint32_t* out) { pack_pairs(w, n, k, out); }
 // x: m rows of k_pairs bfloat16 pairs (a row of 2 * k_pairs bfloat16 values, K padded to even)
 void specserve_gemm_pairs(const uint32_t* x, int64_t m, int64_t k_pairs, const uint32_t* packed, int64_t n,
-                          const float* bias, float* y, int64_t threads) {
+                          const float* bias, void* y, int64_t threads, int64_t y_bf16) {
 #if defined(__AVX512BF16__)
-  linear(x, m, k_pairs, packed, n, bias, y, threads);
+  linear_to(x, m, k_pairs, packed, n, bias, y, threads, y_bf16);
 #endif
 }
 int64_t specserve_gemm_group_width() { return GW; }
@@ -214,11 +238,11 @@ void specserve_gemm_pack_f32(const float* w, int64_t n, int64_t k, float* out) {
 void specserve_gemm_pack_bf16(const uint16_t* w, int64_t n, int64_t k, uint16_t* out) { pack(w, n, k, out); }
 
 void specserve_gemm_f32(const float* x, int64_t m, int64_t k, const float* packed, int64_t n, const float* bias,
-                        float* y, int64_t threads) {
-  linear(x, m, k, packed, n, bias, y, threads);
+                        void* y, int64_t threads, int64_t y_bf16) {
+  linear_to(x, m, k, packed, n, bias, y, threads, y_bf16);
 }
 void specserve_gemm_bf16(const float* x, int64_t m, int64_t k, const uint16_t* packed, int64_t n, const float* bias,
-                         float* y, int64_t threads) {
-  linear(x, m, k, packed, n, bias, y, threads);
+                         void* y, int64_t threads, int64_t y_bf16) {
+  linear_to(x, m, k, packed, n, bias, y, threads, y_bf16);
 }
 }
