@@ -34,7 +34,7 @@ class ModelSettings(BaseModel):
         15, ge=1, description="CPU: consecutive decoder layers per compiled graph (the largest divisor of the "
         "model's depth up to this). More layers a graph: fewer calls a step, each costing ~0.25 ms of the "
         "compiler's dispatch; a longer compile at start (the reference target, 30 layers, on a Zen 4: 15 a "
-        "graph against 6, step 28.9 -> 26.8 ms in float32; its first compile 73 s). 1: every layer runs "
+        "graph against 6, step 30.7 -> 28.8 ms in float32; its first compile 73 s). 1: every layer runs "
         "one graph of one layer.")
     compile_in_background: bool = Field(
         True, description="A served replica on a CPU takes traffic at once on eager forwards and compiles its "

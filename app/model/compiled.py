@@ -115,8 +115,9 @@ def _own_graph_trees() -> None:
 # wrappers and the graph's Python code: torch profiler, reference target, 1 row, one thread, a 2-core EPYC
 # without AVX-512), 7.5 ms of a 71 ms step at one layer a graph; 6 layers a graph: 54 ms (10: 55 ms).
 # Once the kernels were faster (a Zen 4 with AVX-512) the calls showed more: 15 layers a graph (two calls
-# for that 30-layer target) against 6, a step 28.9 -> 26.8 ms in float32 and 19.0 -> 17.7 in bfloat16,
-# 30 no better (`python -m specserve.kv_bench --model DIR --compile-layers 6,15,30`). The first compile
+# for that 30-layer target) against 6, a step 30.7 -> 28.8 ms in float32 and 22.5 -> 20.3 in bfloat16,
+# 30 no better (`OMP_NUM_THREADS=1 python -m specserve.kv_bench --model DIR --sequences 1 --keys 200
+# --compile-layers 6,15,30 --dtype float32|bfloat16`, the three interleaved in one process). The first compile
 # grows with the graph (that target's 8 buckets: 73 s at 15 layers on the Zen 4, 85 s at 6 on the older
 # EPYC, ~15 s from inductor's cache); a served CPU replica builds them in the background.
 LAYERS_PER_GRAPH = 15
