@@ -1,12 +1,32 @@
 """Shared set-up of the Serve tests: tiny models on disk, a local cluster, the app deployed on it."""
 
 import contextlib
+import random
 import socket
 
 from conftest import blend, make_byte_tokenizer, make_model, make_tokenizer
 
 
 def free_port() -> int:
+    """A loopback port free now, chosen outside both the kernel's ephemeral range and Ray's worker
+    ports (10002-19999): a port the kernel handed out (bind to port 0) was taken again, while a
+    cluster started, by one of Ray's processes binding port 0, and Serve's proxy then failed to bind it
+    (CI, test_observability). Falls back to the kernel's choice where no such gap exists."""
+    low = 20000
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            high = int(f.read().split()[0]) - 1
+    except (OSError, ValueError, IndexError):
+        high = low - 1
+    rng = random.Random()  # not the tests' seeded global generator: two modules must not pick alike
+    for _ in range(64 if high > low else 0):
+        port = rng.randint(low, high)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -100,8 +120,8 @@ def running_app(target: str, draft: str | None, args: dict | None = None, deploy
 
     if system_config:
         stop_shared_cluster()  # one cluster per driver process
-        port = free_port()
         with LocalCluster(system_config=system_config):
+            port = free_port()  # after the cluster's processes took theirs
             deploy(config(port), timeout_s=300)
             yield f"http://127.0.0.1:{port}"
         return
