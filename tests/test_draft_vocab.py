@@ -153,3 +153,28 @@ def test_the_ranking_puts_what_the_draft_proposes_first(target_model):
     shown = [t for t in ranking[chosen:] if any(t in ids for ids in texts)]
     assert ranking[chosen: chosen + len(shown)] == shown  # then tokens the text shows, before the rest
     assert ranking[chosen + len(shown):] == sorted(ranking[chosen + len(shown):])  # the rest in id order
+
+
+def test_greedy_proposals_over_the_kept_tokens_alone_are_those_over_the_whole_width(tmp_path, target_model,
+                                                                                    tokenizer, monkeypatch):
+    """Greedy rows without rules take their argmax, runner-ups and confidence over a restricted head's kept
+    tokens alone (a third of the width on the reference draft): the same tokens, guesses, runner-ups and
+    lengths as over the whole width, where the others are FLOOR."""
+    ranking = KEPT + [i for i in range(VOCAB) if i not in KEPT]
+    path = _draft_dir(tmp_path, blend(target_model, 7, 0.85), tokenizer, ranking)
+    draft = Engine.from_pretrained(path, path, proposal_vocab=len(KEPT)).draft
+    greedy = parse_sampling(dict(temperature=0.0))
+    asks = [ProposeItem(f"p{i}", tokenizer.encode(f"x = {i} +"), 5, greedy, seed=i, guess=True, runner_ups=2,
+                        stop_below=0.2 * (i % 3)) for i in range(6)]
+    narrowed = []
+    kept_ids = drafting._kept_ids
+    monkeypatch.setattr(drafting, "_kept_ids", lambda runner: narrowed.append(kept_ids(runner)) or narrowed[-1])
+    kept = draft.on_thread(drafting.propose, draft, asks)
+    assert narrowed and all(ids is not None and ids.tolist() == KEPT for ids in narrowed)  # the narrow path ran
+    monkeypatch.setattr(drafting, "_kept_ids", lambda runner: None)  # every step over the whole width
+    for it in asks:
+        draft.release(it.seq_id)
+    whole = draft.on_thread(drafting.propose, draft, asks)
+    assert [(p.tokens, p.guess, p.runner_ups) for p in kept] == [(p.tokens, p.guess, p.runner_ups) for p in whole]
+    assert any(len(p.tokens) < 5 for p in kept) and any(len(p.tokens) == 5 for p in kept)  # lengths decided
+    assert all(set(p.tokens + [p.guess]) <= set(KEPT) for p in kept)
