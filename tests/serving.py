@@ -9,9 +9,9 @@ from conftest import blend, make_byte_tokenizer, make_model, make_tokenizer
 
 def free_port() -> int:
     """A loopback port free now, chosen outside both the kernel's ephemeral range and Ray's worker
-    ports (10002-19999): a port the kernel handed out (bind to port 0) was taken again, while a
-    cluster started, by one of Ray's processes binding port 0, and Serve's proxy then failed to bind it
-    (CI, test_observability). Falls back to the kernel's choice where no such gap exists."""
+    ports (10002-19999): a port the kernel hands out (bind to port 0) can be handed out again to one of
+    Ray's processes while a cluster starts, before Serve's proxy binds it; CI once saw the proxy fail to
+    bind such a port (test_observability). Falls back to the kernel's choice where no such gap exists."""
     low = 20000
     try:
         with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
