@@ -56,6 +56,20 @@ def test_models_and_health(app, client):
     assert httpx.get(f"{app}/health").json() == {"status": "ok"}
 
 
+def test_every_replica_runs_at_the_nodes_default_priority(app):
+    """Ray starts workers at niceness 15 unless told otherwise (cluster/local.py SERVE_ENV); a replica
+    there yields its core to any process at the default priority."""
+    import os
+
+    replicas = [a for a in ray.util.list_named_actors(all_namespaces=True) if a["name"].startswith("SERVE_REPLICA::")]
+    kinds = {a["name"].split("#")[1] for a in replicas}
+    assert {"TargetServer", "DraftServer"} <= kinds, kinds
+    for a in replicas:
+        actor = ray.get_actor(a["name"], namespace=a["namespace"])
+        niceness = ray.get(actor.__ray_call__.remote(lambda _: os.getpriority(os.PRIO_PROCESS, os.getpid())))
+        assert niceness == 0, (a["name"], niceness)
+
+
 def test_completion_is_the_targets_greedy_output(client, reference):
     r = client.completions.create(model="target", prompt=PROMPTS[0], max_tokens=N, temperature=0, extra_body=EXTRA)
     assert r.choices[0].text == reference[PROMPTS[0]]
