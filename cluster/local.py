@@ -175,6 +175,21 @@ def fit_to_cores(config: dict, cores: int | None = None) -> list[str]:
     return changed
 
 
+def pin_to_cores(config: dict) -> list[str]:
+    """Each replica of the pair on cores of its own (`pin_cores`, deployments/cores.py) where the config
+    does not say: every node of the local cluster is this machine, and its replicas share its cores.
+    Returns what it changed, as lines to print."""
+    args = config["applications"][0].setdefault("args", {})
+    pinned = [name for name in ("target", "draft") if args.get(name, {}) is not None
+              and "pin_cores" not in args.get(name, {})]
+    for name in pinned:
+        args[name] = {**args.get(name, {}), "pin_cores": True}
+    if not pinned:
+        return []
+    return [f"{' and '.join(pinned)}: each replica's threads on cores of their own (pin_cores; false in a --config "
+            f"turns it off)"]
+
+
 def _merge(base: dict, extra: dict) -> dict:
     out = copy.deepcopy(base)
     for k, v in extra.items():

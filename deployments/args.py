@@ -19,6 +19,12 @@ class ModelConfig(ModelSettings):
     download_dir: str | None = Field(
         None, description="Where each node keeps the models it fetches, shared by its replicas (a node-local disk "
         "or a PVC): default $SPECSERVE_MODEL_CACHE or ~/.cache/specserve/models; hub ids: the Hugging Face cache.")
+    pin_cores: bool = Field(
+        False, description="CPU: each replica binds its threads to cores of its own, one per forward thread, among "
+        "the cores its process may use, none held by another replica of the node (deployments/cores.py); one that "
+        "finds too few free cores runs unpinned. `specserve serve` turns it on where the config does not say. On "
+        "Kubernetes pods share a node's cores unless the kubelet's static CPU manager policy gives each its own: "
+        "turn it on only there.")
 
 
 class DraftConfig(ModelConfig, DraftSettings):

@@ -13,6 +13,7 @@ import sys
 from collections.abc import AsyncIterator
 
 import ray
+import torch
 from ray import serve
 
 from app import telemetry
@@ -20,7 +21,7 @@ from app.speculation.controller import VerifyCurve
 from app.speculation.driver import DraftPolicy
 from app.engine import Engine, EngineSettings, RemoteTarget
 from app.scheduler import BatchBudget, ForwardQueue, in_thread
-from app.model.loading import load_runner
+from app.model.loading import load_runner, resolve_device
 from app.model.memory import DRAFT_PREFILL_TOKENS
 from app.chunks import Chunk
 from app.job import GenerationJob
@@ -32,6 +33,7 @@ from app.speculation.drafting import propose
 from deployments.affinity import Calls
 from deployments.autoscaling import CallerWaits, Observers, RoundLoad
 from deployments.contexts import ContextMirror, answer
+from deployments.cores import Claim, pin_replica
 from deployments.args import (
     BatchConfig,
     ModelConfig,
@@ -64,6 +66,14 @@ def _kv_report(replica_id: str) -> GaugeReport | None:
     return GaugeReport(lambda gauges: totals.add.remote({}, gauges, replica_id))
 
 
+def _pin(cfg: ModelConfig, name: str) -> Claim | None:
+    """`pin_cores` on a CPU: this replica's threads on cores of its own, one per forward thread, before
+    its model loads (the threads the load and the compile start inherit the binding)."""
+    if not cfg.pin_cores or resolve_device(cfg.device) != "cpu":
+        return None
+    return pin_replica(cfg.torch_threads or torch.get_num_threads(), name)
+
+
 def _start(coro):
     """Run a coroutine on the replica's event loop (Serve runs constructors on it); close it elsewhere."""
     try:
@@ -83,6 +93,7 @@ class _Server:
         sys.setswitchinterval(SWITCH_INTERVAL_S)
         log_into(logging.getLogger("ray.serve"))  # a model's fetch progress in this replica's log
         self.replica_id = _replica_id()
+        self.cores: Claim | None = None  # pinned cores (pin_cores), held while the replica lives
         self.metrics = ServerMetrics()
         telemetry.configure_tracing(type(self).__name__)
 
@@ -108,7 +119,8 @@ class _Server:
         return {"replica": self.replica_id, "node_id": ray.get_runtime_context().get_node_id(),
                 "kv_cache_bytes": cache.nbytes, "sequences": len(cache), "evictions": cache.evictions,
                 "prefix_hit_tokens": cache.prefix_hit_tokens, "served": self.served,
-                "steps": self.runner.compile_status if self.runner is not None else "eager"}
+                "steps": self.runner.compile_status if self.runner is not None else "eager",
+                "cores": self.cores.cores if self.cores is not None else None}
 
     async def check_health(self) -> None:
         """Serve's health check: the model must be loaded, and no forward may have hit a device fault."""
@@ -128,6 +140,7 @@ class DraftServer(_Server):
     def __init__(self, cfg: ModelConfig, path: str, batch: BatchConfig, top_n: int):
         super().__init__()
         path = local_model(path, cfg.revision, cfg.download_dir)  # fetched once per node when remote
+        self.cores = _pin(cfg, "DraftServer")
         # a draft forward: a step of every sequence in the batch, or a new sequence's whole prompt
         self.runner = load_runner(path, cfg, max(batch.max_batch_size, DRAFT_PREFILL_TOKENS),
                                   logit_rows=batch.max_batch_size, batch=batch.max_batch_size)
@@ -168,6 +181,7 @@ class TargetServer(_Server):
         path = local_model(path, cfg.revision, cfg.download_dir)  # fetched once per node; its ranks share it
         self.ranks: RankGroup | None = None
         if cfg.tensor_parallel_size == 1:
+            self.cores = _pin(cfg, "TargetServer")
             # logits for the verify rows and each prompt's last position (specserve/plan.py counts the same)
             rows = batch.max_batch_size * (speculation.k_max + 2)
             self.runner = load_runner(path, cfg, batch.max_batch_tokens, logit_rows=rows, batch=batch.max_batch_size)

@@ -48,7 +48,8 @@ def cmd_serve(args) -> int:
     import time
 
     started = time.monotonic()
-    from cluster.local import LocalCluster, deploy, fit_to_cores, load_config, stop_on_signals, watch_steps
+    from cluster.local import LocalCluster, deploy, fit_to_cores, load_config, pin_to_cores, stop_on_signals, \
+        watch_steps
 
     overrides: dict = {"pair": _pair_name(args)}
     if args.target:
@@ -60,7 +61,7 @@ def cmd_serve(args) -> int:
 
         pair(_pair_name(args))  # build with its progress lines here, before the replicas need it
     config = load_config(args.config, args=overrides, port=args.port, host=args.host)
-    for line in fit_to_cores(config):
+    for line in fit_to_cores(config) + pin_to_cores(config):
         print(line, flush=True)
     print("starting a local Ray cluster (a target-pool node and a draft-pool node)...", flush=True)
     stop = stop_on_signals()  # a signal while the cluster starts: it stops as soon as it is up

@@ -26,7 +26,8 @@ def test_sigterm_stops_the_app_and_its_cluster_and_exits_0(tmp_path):
     proc = subprocess.Popen([sys.executable, "-m", "specserve.cli", "serve", "--config", str(tmp_path / "serve.yaml"),
                              "--target", target, "--draft", draft, "--port", str(port), "--host", "127.0.0.1"],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
-                            env={**os.environ, "RAY_AUTH_MODE": "disabled"})
+                            env={**os.environ, "RAY_AUTH_MODE": "disabled",
+                                 "SPECSERVE_CORE_LOCKS": str(tmp_path / "cores")})
     try:
         deadline = time.monotonic() + 300
         while time.monotonic() < deadline and proc.poll() is None:
@@ -39,6 +40,7 @@ def test_sigterm_stops_the_app_and_its_cluster_and_exits_0(tmp_path):
         assert proc.poll() is None, proc.stdout.read()
         children = psutil.Process(proc.pid).children(recursive=True)  # the cluster's processes
         assert children
+        assert_pinned_apart(children)
         proc.send_signal(signal.SIGTERM)
         output, _ = proc.communicate(timeout=180)
         assert proc.returncode == 0, output[-3000:]
@@ -49,3 +51,33 @@ def test_sigterm_stops_the_app_and_its_cluster_and_exits_0(tmp_path):
         if proc.poll() is None:  # only what this test started, by its process group
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait(timeout=30)
+
+
+def assert_pinned_apart(processes: list[psutil.Process], timeout_s: float = 120.0) -> None:
+    """`serve` pins the target and the draft replica to a core each (deployments/cores.py), apart where
+    the machine has two cores to give. A replica pins as its constructor starts: polled until then."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        cores = replica_cores(processes)
+        pinned = len(cores) == 2 and all(len(c) == 1 for c in cores.values())
+        if pinned or time.monotonic() > deadline:
+            break
+        time.sleep(1)
+    assert set(cores) == {"TargetServer", "DraftServer"}, cores
+    assert len(cores["TargetServer"]) == 1, cores
+    if len(os.sched_getaffinity(0)) >= 2:
+        assert len(cores["DraftServer"]) == 1 and cores["DraftServer"] != cores["TargetServer"], cores
+
+
+def replica_cores(processes: list[psutil.Process]) -> dict[str, list[int]]:
+    """The CPU affinity of each pool's replica process, by its process title."""
+    cores = {}
+    for p in processes:
+        try:
+            title = " ".join(p.cmdline())
+            for name in ("TargetServer", "DraftServer"):
+                if name in title:
+                    cores[name] = p.cpu_affinity()
+        except psutil.NoSuchProcess:
+            continue
+    return cores

@@ -73,6 +73,22 @@ def test_serve_on_a_small_machine_caps_each_pool_at_half_its_cores():
     assert roomy == load_config()
 
 
+def test_serve_pins_the_pairs_replicas_unless_the_config_says():
+    from cluster.local import load_config, pin_to_cores
+
+    config = load_config()
+    assert "cores of their own" in pin_to_cores(config)[0]
+    args = config["applications"][0]["args"]
+    assert args["target"]["pin_cores"] is True and args["draft"]["pin_cores"] is True
+    assert args["target"]["dtype"] == load_config()["applications"][0]["args"]["target"]["dtype"]  # merged, not replaced
+    told = load_config(args={"target": {"pin_cores": False}, "draft": None})
+    assert pin_to_cores(told) == []
+    assert told["applications"][0]["args"]["target"]["pin_cores"] is False
+    assert told["applications"][0]["args"]["draft"] is None
+    shipped = load_config()["applications"][0]["args"]  # and the KubeRay manifests made from it: off
+    assert "pin_cores" not in shipped["target"] and "pin_cores" not in shipped["draft"]
+
+
 def test_deploy_says_which_deployments_are_still_starting(monkeypatch):
     """A first start loads the models and builds kernels for minutes: deploy reports what it still waits for."""
     from types import SimpleNamespace
