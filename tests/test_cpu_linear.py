@@ -39,6 +39,36 @@ def test_bfloat16_weights_widen_exactly_and_the_result_rounds_once():
     torch.testing.assert_close(got.float(), want.float(), rtol=1e-2, atol=1e-2)
 
 
+CASES = [  # rows' dtype, weights' dtype, pairs, input size (odd: the pairs' padding), bias
+    (torch.float32, torch.float32, False, 40, True), (torch.float32, torch.bfloat16, False, 33, False),
+    (torch.bfloat16, torch.bfloat16, False, 40, True), (torch.bfloat16, torch.bfloat16, True, 33, True),
+    (torch.bfloat16, torch.bfloat16, True, 40, False), (torch.float16, torch.float32, False, 40, True),
+]
+
+
+@pytest.mark.parametrize("x_dtype, w_dtype, pairs, in_features, with_bias", CASES)
+def test_the_ops_cpp_kernel_gives_its_python_bodys_bits(x_dtype, w_dtype, pairs, in_features, with_bias):
+    """specserve::linear runs app/model/kernels/linear_op.cpp where it builds; `_linear` is the same op
+    in Python (the fallback): every dtype path, non-contiguous rows, a compiled step's real rows."""
+    assert cpu_linear.implementation() == "C++"  # it builds wherever the kernel does (same compiler)
+    if pairs and not cpu_linear.pairs_available():
+        pytest.skip("this CPU has no AVX512-BF16")
+    weight, bias = _weights(150, in_features, w_dtype)
+    packed = cpu_linear.pack(weight, pairs=pairs)
+    bias = bias.to(x_dtype) if with_bias else None
+    x = torch.randn(in_features, 2, 11).to(x_dtype).transpose(0, 2)  # [11, 2, in], not contiguous
+    for real in (None, 3):
+        if real is None:
+            got, want = cpu_linear.linear(x, packed, bias, 150), cpu_linear._linear(x, packed, bias, 150)
+        else:
+            with cpu_linear.real_rows(real):
+                got, want = cpu_linear.linear(x, packed, bias, 150), cpu_linear._linear(x, packed, bias, 150)
+            assert not got.view(-1, 150)[real:].any()  # rows past the real ones: zero, uncomputed
+        assert got.dtype == want.dtype == x_dtype and got.shape == want.shape == (11, 2, 150)
+        assert torch.equal(got.view(torch.int16 if x_dtype != torch.float32 else torch.int32),
+                           want.view(torch.int16 if x_dtype != torch.float32 else torch.int32))
+
+
 @pytest.mark.parametrize("pairs", [False, True])
 def test_bfloat16_results_are_written_as_torch_rounds_the_float32_sums(pairs):
     """A bfloat16 model's linear gets bfloat16 from the kernel, rounded as it writes them: the same bits

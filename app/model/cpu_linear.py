@@ -9,7 +9,8 @@ by app/model/native.py) over weights packed into column groups that each stream 
 GB/s at 1 row on the same matrices.
 
 Its op, `specserve::linear`, runs eager and inside the compiled steps alike (inductor keeps it as
-an opaque call), so compiled and eager forwards compute the same linears. Every output is one chain
+an opaque call), so compiled and eager forwards compute the same linears. Its CPU kernel is C++
+(app/model/kernels/linear_op.cpp) where that builds, else `_linear` below, the same steps in Python. Every output is one chain
 of fused multiply-adds over the inputs in order, whatever the number of rows: a verify's rows equal
 the plain steps' bit for bit.
 
@@ -57,15 +58,41 @@ def _kernel() -> ctypes.CDLL | None:
 
 
 _FUNCTIONS: dict[torch.dtype, object] = {}  # packed weights' dtype -> the kernel's function (int32: pairs)
+OP_SOURCE = "linear_op.cpp"  # the op's CPU kernel in C++ (its Python body, `_linear`, where it cannot build)
+_registered = threading.Lock()
+_op: dict[str, object] = {}  # "impl": "C++" or "Python" once registered; "rows": the C++ real-rows setter
 
 
 def kernel_available() -> bool:
-    """Whether this machine built the small-row kernel."""
+    """Whether this machine built the small-row kernel; the first call registers the op's CPU kernel."""
     lib = _kernel()
     if lib is not None and not _FUNCTIONS:
         _FUNCTIONS.update({torch.float32: lib.specserve_gemm_f32, torch.bfloat16: lib.specserve_gemm_bf16,
                            torch.int32: lib.specserve_gemm_pairs})
+    if lib is not None and "impl" not in _op:
+        _register()
     return lib is not None
+
+
+def _register() -> None:
+    """specserve::linear's CPU kernel: the C++ one (app/model/kernels/linear_op.cpp, the same kernels without
+    the Python body and ctypes call, ~6 us a call), else `_linear`."""
+    with _registered:
+        if "impl" in _op:
+            return
+        compile_flags, link = native.torch_flags()
+        lib = native.load(OP_SOURCE, _FLAGS[:-1] + compile_flags, link)  # its own -std
+        if lib is None:
+            _LIBRARY.impl("linear", _linear, "CPU")
+            _op["impl"] = "Python"
+            return
+        lib.specserve_linear_real_rows.argtypes, lib.specserve_linear_real_rows.restype = [ctypes.c_int64], None
+        _op.update(impl="C++", rows=lib.specserve_linear_real_rows)
+
+
+def implementation() -> str | None:
+    """Which body specserve::linear runs on a CPU: "C++", "Python", or None before the kernel was asked for."""
+    return _op.get("impl")
 
 
 def pairs_available() -> bool:
@@ -125,8 +152,6 @@ def _linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, ou
     return y if out else y.to(x.dtype)  # float16 rows: the kernel writes float32
 
 
-_LIBRARY.impl("linear", _linear, "CPU")
-
 _local = threading.local()  # the real row count of the compiled step this thread runs
 
 
@@ -137,10 +162,15 @@ def real_rows(count: int):
     streams its weights, but at tens of rows it is bound by arithmetic, which padding would waste."""
     before = getattr(_local, "rows", None)
     _local.rows = count
+    native_rows = _op.get("rows")  # the C++ kernel's own, thread-local as this
+    if native_rows is not None:
+        native_rows(count)
     try:
         yield
     finally:
         _local.rows = before
+        if native_rows is not None:
+            native_rows(before or 0)
 
 
 @torch.library.register_fake("specserve::linear")

@@ -12,6 +12,7 @@ import hashlib
 import logging
 import os
 import platform
+import re
 import shutil
 import subprocess
 import tempfile
@@ -42,9 +43,15 @@ def cache_dir() -> Path:
     return Path(root)
 
 
-def build(source: str, flags: list[str]) -> Path | None:
+def _included(path: Path) -> list[str]:
+    """The texts of the kernels' own files that `path` includes (`#include "name"`): part of its binary."""
+    names = re.findall(r'^#include "([^"]+)"', path.read_text(), re.MULTILINE)
+    return [(path.parent / name).read_text() for name in names]
+
+
+def build(source: str, flags: list[str], link: list[str] = ()) -> Path | None:
     """The shared library of app/model/kernels/`source`, compiled if this machine has none yet; None when
-    it cannot be (said in the log)."""
+    it cannot be (said in the log). `link`: what the link step adds (libraries, their paths)."""
     cxx = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
     if not cxx:
         log.info("%s: no C++ compiler; torch's kernels instead", source)
@@ -52,7 +59,8 @@ def build(source: str, flags: list[str]) -> Path | None:
     path = KERNELS / source
     try:
         version = subprocess.run([cxx, "--version"], capture_output=True, text=True, timeout=30).stdout
-        key = hashlib.sha256("\0".join([path.read_text(), version, " ".join(flags), _cpu_key()]).encode())
+        parts = [path.read_text(), *_included(path), version, " ".join(flags), " ".join(link), _cpu_key()]
+        key = hashlib.sha256("\0".join(parts).encode())
         lib = cache_dir() / f"{path.stem}-{key.hexdigest()[:20]}.so"
         if lib.exists():
             return lib
@@ -62,8 +70,8 @@ def build(source: str, flags: list[str]) -> Path | None:
             subprocess.run([cxx, *flags, "-c", str(path), "-o", obj], check=True, capture_output=True, timeout=300)
             # flags go to the compile step alone: linked with -ffast-math, GCC would add a start-up
             # object that turns on flush-to-zero for the whole process
-            subprocess.run([cxx, "-shared", "-pthread", obj, "-o", out, "-lm"], check=True, capture_output=True,
-                           timeout=300)
+            subprocess.run([cxx, "-shared", "-pthread", obj, "-o", out, "-lm", *link], check=True,
+                           capture_output=True, timeout=300)
             os.replace(out, lib)
         return lib
     except (OSError, subprocess.SubprocessError) as e:
@@ -73,10 +81,21 @@ def build(source: str, flags: list[str]) -> Path | None:
         return None
 
 
-def load(source: str, flags: list[str]) -> ctypes.CDLL | None:
+def load(source: str, flags: list[str], link: list[str] = ()) -> ctypes.CDLL | None:
     """The loaded library of app/model/kernels/`source` (built once a process), or None where it cannot be."""
     with _lock:
         if source not in _loaded:
-            lib = build(source, flags)
+            lib = build(source, flags, link)
             _loaded[source] = None if lib is None else ctypes.CDLL(str(lib))
         return _loaded[source]
+
+
+def torch_flags() -> tuple[list[str], list[str]]:
+    """What a kernel that registers torch ops (`#include <torch/library.h>`) adds to its compile and link
+    steps: torch's headers and ABI, and its libraries, which the process has loaded already."""
+    import torch
+
+    root = Path(torch.__file__).parent
+    compile_flags = ["-std=c++20", f"-I{root / 'include'}", f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}",
+                     f"-DSPECSERVE_TORCH={torch.__version__}"]  # the version: a new torch, a new build
+    return compile_flags, [f"-L{root / 'lib'}", "-ltorch_cpu", "-lc10", f"-Wl,-rpath,{root / 'lib'}"]
