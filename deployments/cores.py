@@ -110,7 +110,11 @@ def pin_threads(cores: list[int]) -> int:
 
 def pin_replica(threads: int, name: str) -> Claim | None:
     """Claim `threads` cores for this replica and bind its threads to them; None: it runs unpinned."""
-    claim = claim_cores(threads)
+    try:
+        claim = claim_cores(threads)
+    except OSError as e:  # no lock directory to write in: serve unpinned rather than not at all
+        log.warning("%s: cannot claim cores in %s (%s); running unpinned (set %s)", name, lock_dir(), e, LOCKS_ENV)
+        return None
     if claim is None:
         log.warning("%s: fewer than %d free cores among %s; running unpinned", name, threads,
                     sorted(os.sched_getaffinity(0)))

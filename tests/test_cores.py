@@ -84,3 +84,14 @@ def test_every_thread_of_a_pinned_process_and_every_later_one_runs_on_its_cores(
     assert len(got["masks"]) >= 4  # the main thread and the three started before pinning
     assert all(mask == got["cores"] for mask in got["masks"]), got
     assert got["later"] == [got["cores"]]
+
+
+def test_a_replica_that_cannot_claim_runs_unpinned_rather_than_not_at_all(tmp_path, monkeypatch):
+    from deployments.cores import pin_replica
+
+    blocked = tmp_path / "not-a-directory"
+    blocked.write_text("")
+    monkeypatch.setenv("SPECSERVE_CORE_LOCKS", str(blocked / "locks"))  # mkdir under a file fails
+    before = os.sched_getaffinity(0)
+    assert pin_replica(1, "test") is None
+    assert os.sched_getaffinity(0) == before
