@@ -10,9 +10,9 @@ GB/s at 1 row on the same matrices.
 
 Its op, `specserve::linear`, runs eager and inside the compiled steps alike (inductor keeps it as
 an opaque call), so compiled and eager forwards compute the same linears. Its CPU kernel is C++
-(app/model/kernels/linear_op.cpp) where that builds, else `_linear` below, the same steps in Python. Every output is one chain
-of fused multiply-adds over the inputs in order, whatever the number of rows: a verify's rows equal
-the plain steps' bit for bit.
+(app/model/kernels/linear_op.cpp) where that builds, else `_linear` below, the same steps in Python.
+Every output is one chain of fused multiply-adds over the inputs in order, whatever the number of
+rows: a verify's rows equal the plain steps' bit for bit.
 
 A bfloat16 model's linears, on a CPU with AVX512-BF16, take the kernel's pair path: its weights packed
 in pairs along the input dimension and its bfloat16 rows multiplied by vdpbf16ps, two products per

@@ -96,6 +96,7 @@ def torch_flags() -> tuple[list[str], list[str]]:
     import torch
 
     root = Path(torch.__file__).parent
-    compile_flags = ["-std=c++20", f"-I{root / 'include'}", f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}",
+    abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
+    compile_flags = ["-std=c++20", f"-I{root / 'include'}", f"-D_GLIBCXX_USE_CXX11_ABI={abi}",
                      f"-DSPECSERVE_TORCH={torch.__version__}"]  # the version: a new torch, a new build
     return compile_flags, [f"-L{root / 'lib'}", "-ltorch_cpu", "-lc10", f"-Wl,-rpath,{root / 'lib'}"]
