@@ -2,8 +2,8 @@
 
 Serve places a replica on a node, never on a core. Left to the OS, the target's forward thread and
 the draft's share a core now and then while the other core idles, and each moves between cores
-(measured on 2 cores, one float32 server, vLLM's client: the two replicas pinned apart, speculative
-C4 106.2 -> 119.2 tok/s, C1 unchanged; docs/performance.md). A replica that pins claims as many
+(measured on 2 cores, one float32 server, vLLM's client, unpinned and pinned passes alternated:
+speculative C4 108.8 -> 116.7 tok/s, off C16 192.1 -> 222.6, C1 0-2 %; docs/performance.md). A replica that pins claims as many
 cores as it runs forward threads, among the cores its process may use (a container's CPU set),
 one logical CPU per physical core first, none claimed by another replica of the node; every thread
 of the process is then bound to them, and the threads it starts later inherit the binding.
