@@ -202,6 +202,21 @@ def test_a_cpu_compiles_one_graph_per_bucket_whatever_the_depth(tokenizer):
         assert c.token_ids == e.token_ids
 
 
+def test_a_cpu_steps_wrapper_code_is_cpp(pair, tokenizer, monkeypatch):
+    """On a CPU inductor writes each graph's wrapper (the code that calls its kernels and ops in turn) as
+    C++, not Python (app/model/compiled.py, _on_cpu): every graph a runner's warm-up compiles (or loads
+    from inductor's cache) is C++, and its tokens are the eager ones (the tests above)."""
+    from torch._inductor.graph import GraphLowering
+
+    codes = []
+    monkeypatch.setattr(GraphLowering, "save_output_code", codes.append)
+    runner = ModelRunner(pair[0], tokenizer, Execution(compile="default", compile_max_tokens=MAX))
+    runner.warm()
+    assert runner.steps is not None and len(codes) == len(runner.steps.buckets)
+    for code in codes:
+        assert "inductor_entry_impl" in code and "def call(" not in code
+
+
 @pytest.mark.parametrize("depth, most, length", [(30, 6, 6), (30, 4, 3), (7, 6, 1), (2, 6, 2), (4, 1, 1)])
 def test_a_graph_runs_the_largest_divisor_of_the_depth_up_to_the_setting(depth, most, length):
     assert compiled._graph_length(depth, most) == length
