@@ -1,5 +1,6 @@
 """K controller: the speed-up formula, the α estimator, choosing and probing K, measuring c."""
 
+import math
 import random
 
 import pytest
@@ -154,7 +155,9 @@ def test_low_then_high_recovers_speculation():
     for seed in range(10):
         rng = random.Random(seed)
         ctrl = KController(cfg)
-        assert run(ctrl, rng, alpha=0.05, c=0.2, rounds=100)[-cfg.probe_interval :].count(0) > 12
+        # mostly plain: the probes, and a few rounds after a lucky one while the estimate's band is wide
+        # (confidence), speculate (7.8 % of rounds over 20 seeds, 11 % at most; 6.5 % with no band)
+        assert sum(k > 0 for k in run(ctrl, rng, alpha=0.05, c=0.2, rounds=400)[100:]) <= 300 // 8
         after = run(ctrl, rng, alpha=0.9, c=0.2, rounds=4 * cfg.probe_interval)
         # sustained speculation (two K > 0 rounds in a row: probes are isolated) starts at a
         # probe that succeeds; one in ten fails at α = 0.9, so allow three probes
@@ -170,7 +173,9 @@ def test_high_then_low_turns_off():
         assert run(ctrl, rng, alpha=0.9, c=0.2, rounds=100)[-1] > 0
         after = run(ctrl, rng, alpha=0.05, c=0.2, rounds=60)
         first = next(i for i, k in enumerate(after) if k == 0)
-        assert first <= 25
+        # 14-28 rounds over 20 seeds (11-14 with no band: `confidence` keeps a sequence speculating while
+        # its estimate is within noise of paying, and from 0.9 it takes a few rounds more to fall clear)
+        assert first <= 30
 
 
 def test_pinned_k_is_always_returned():
@@ -216,7 +221,8 @@ def test_a_dip_in_acceptance_under_a_dear_verify_is_probed_again():
     """A run of rejections leaves α low while verifying rows costs a little: speculation then does
     not pay, but it would at the acceptance a probe could find, so the load is not the reason and
     probes come (without them α would never be measured again and the request would stay plain)."""
-    ctrl = KController(KControllerConfig(probe_interval=4))
+    # no band (confidence): the probes alone (the band's own tests are below)
+    ctrl = KController(KControllerConfig(probe_interval=4, confidence=0.0))
     for k, accepted in ((2, 0), (2, 1), (2, 0)):
         ctrl.observe(k, accepted)
     assert 0.3 < ctrl.alpha < 0.35
@@ -224,6 +230,39 @@ def test_a_dip_in_acceptance_under_a_dear_verify_is_probed_again():
     assert ctrl.choose(0.06, 0.0, 0.2) > 0  # were verifying free, it would pay: acceptance alone is not why
     ks = [ctrl.choose(0.06, curve, 0.2) for _ in range(12)]
     assert ks[0] == 0 and any(k > 0 for k in ks)
+
+
+def test_a_dip_within_the_estimates_noise_keeps_speculating():
+    """A pair whose acceptance is 0.55, where plain steps pay below ~0.33 (the reference pair's served
+    costs at C1: c 0.08, a fixed wait of 0.19 rounds, the verify curve below): the estimate (~10 decayed
+    trials) dips under the break-even now and then. With no band each dip held the sequence plain
+    until a probe; with one standard error it speculates on, and a poor draft (0.05) stays plain."""
+    curve = [0.0, 0.12, 0.17, 0.22, 0.27, 0.32, 0.37, 0.42, 0.47]
+
+    def plain_share(alpha: float, confidence: float) -> float:
+        shares = []
+        for seed in range(10):
+            rng, ctrl = random.Random(seed), KController(KControllerConfig(confidence=confidence))
+            ks = []
+            for _ in range(400):
+                k = ctrl.choose(0.08, curve, 0.19)
+                ctrl.observe(k, draft_round(rng, alpha, k))
+                ks.append(k)
+            shares.append(ks[50:].count(0) / 350)
+        return sum(shares) / len(shares)
+
+    assert plain_share(0.55, 0.0) > 0.5  # the dips (0.73): what the band is for
+    assert plain_share(0.55, 1.0) < plain_share(0.55, 0.0) / 2  # 0.23
+    assert plain_share(0.05, 1.0) > 0.85  # 0.93 (0.94 with no band)
+
+
+def test_the_upper_estimate_is_one_standard_error_up_and_bounded():
+    ctrl = KController(KControllerConfig(prior_alpha=0.5, prior_weight=4.0))
+    assert ctrl.upper_alpha == pytest.approx(0.5 + math.sqrt(0.25 / 4))
+    ctrl = KController(KControllerConfig(prior_alpha=0.0, prior_weight=4.0))
+    assert ctrl.upper_alpha == pytest.approx(math.sqrt(0.01 / 4))  # an estimate of 0 still has a band
+    assert KController(KControllerConfig(prior_alpha=1.0)).upper_alpha == 1.0
+    assert KController(KControllerConfig(confidence=0.0)).upper_alpha == KController().alpha
 
 
 def test_a_measured_verify_curve_caps_k_where_rows_start_to_cost():
