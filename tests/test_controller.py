@@ -256,6 +256,12 @@ def test_a_dip_within_the_estimates_noise_keeps_speculating():
     assert plain_share(0.05, 1.0) > 0.85  # 0.93 (0.94 with no band)
 
 
+@pytest.mark.parametrize("confidence", [-1.0, float("nan")])
+def test_a_negative_or_nan_confidence_is_refused(confidence):
+    with pytest.raises(ValueError, match="confidence"):
+        KControllerConfig(confidence=confidence)
+
+
 def test_the_upper_estimate_is_one_standard_error_up_and_bounded():
     ctrl = KController(KControllerConfig(prior_alpha=0.5, prior_weight=4.0))
     assert ctrl.upper_alpha == pytest.approx(0.5 + math.sqrt(0.25 / 4))

@@ -132,8 +132,8 @@ def _on_cpu(model) -> bool:
     its draft's 2.59 -> 2.50 (one thread, 200 cached positions, the two runners' forwards interleaved in
     one process, the same logits to the bit; 2-core Zen 4 EPYC). The price is a longer first compile (a C++
     file per graph: the reference target's float32 buckets in 149 s against 123 from a cold cache; inductor
-    caches them).
-    GPUs keep the Python wrapper: reduce-overhead replays CUDA graphs, which have no per-kernel calls."""
+    caches them). GPUs keep the Python wrapper: not measured there, and reduce-overhead replays CUDA graphs,
+    which make no per-kernel calls from the host."""
     param = next(model.parameters(), None)
     return param is not None and param.device.type == "cpu"
 

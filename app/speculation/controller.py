@@ -263,6 +263,8 @@ class KControllerConfig:
             raise ValueError("k_max must be >= 0, probe_k and probe_interval >= 1")
         if not (0.0 < self.decay <= 1.0 and 0.0 <= self.prior_alpha <= 1.0):
             raise ValueError("decay must be in (0, 1] and prior_alpha in [0, 1]")
+        if not self.confidence >= 0.0:  # NaN too
+            raise ValueError(f"confidence must be >= 0 standard errors, got {self.confidence}")
 
 
 class KController:
