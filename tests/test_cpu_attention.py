@@ -190,3 +190,44 @@ def test_a_bfloat16_models_steps_through_the_kernel_match_its_per_sequence_atten
         step = runner.forward([SeqInput(f"s{i}", p + [7, 8, 9], 3) for i, p in enumerate(prompts)])
         logits[name] = torch.cat([x.float() for x in step])
     torch.testing.assert_close(logits["cpu_paged"], logits["per_sequence"], atol=0.05, rtol=0.02)
+
+
+def _python_body_calls(run) -> int:
+    """How many times `run()` called the op's Python body (specserve::ragged_attention_python)."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        run()
+    return sum(e.count for e in prof.key_averages() if e.key == "specserve::ragged_attention_python")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_ops_cpp_kernel_gives_its_python_bodys_bits(dtype, target_model, tokenizer, monkeypatch):
+    """Decode steps and verify rows through the op's C++ CPU kernel (bound to the forward, no Python in the
+    call) and through its Python body: the same logits, bit for bit. A forward with a prompt's long span
+    is not bound, and every layer's call takes the Python body."""
+    import copy
+
+    from app.model.batches import SeqInput
+    from app.model.runner import Execution, ModelRunner
+
+    runner = ModelRunner(copy.deepcopy(target_model).to(dtype), tokenizer, Execution(attention="cpu_paged"))
+    if cpu_attention.implementation() != "C++":
+        pytest.skip("the op's C++ kernel did not build here (torch's headers)")
+    layers = runner.kv_shape()[0]
+    prompts = [list(range(2, 40)), list(range(5, 22))]
+    assert _python_body_calls(lambda: runner.forward([SeqInput(f"s{i}", p, 1) for i, p in enumerate(prompts)])) \
+        == layers  # the prompts' spans are long: SDPA's, through the Python body
+
+    def steps():
+        out = []
+        for extra, n in (([7], 1), ([7, 8, 9, 10], 4)):  # a decode step, then a verify of 4 rows (one rolled back)
+            batch = runner.open([SeqInput(f"s{i}", p + extra, n) for i, p in enumerate(prompts)])
+            out.append(torch.cat([x.float() for x in batch.logits]))
+            batch.close([len(p) for p in prompts])  # back to the prompts: the next call computes the same rows
+        return torch.cat(out)
+
+    logits = {}
+    calls = {"C++": _python_body_calls(lambda: logits.setdefault("C++", steps()))}
+    monkeypatch.setitem(cpu_attention._op, "impl", "Python")  # nothing bound: the C++ kernel calls the body
+    calls["Python"] = _python_body_calls(lambda: logits.setdefault("Python", steps()))
+    assert calls == {"C++": 0, "Python": 2 * layers}
+    assert torch.equal(logits["C++"], logits["Python"])

@@ -94,6 +94,9 @@ class BlockPool:
         new = torch.zeros if zeroed else torch.empty
         self.keys = [new(shape, dtype=dtype, device=device) for _ in range(layers)]
         self.values = [new(shape, dtype=dtype, device=device) for _ in range(layers)]
+        # every layer's keys tensor's address, then every layer's values': how the C++ attention op finds a
+        # layer's (app/model/cpu_attention.py bind)
+        self.addresses = torch.tensor([t.data_ptr() for t in self.keys + self.values], dtype=torch.int64)
         self.num_blocks = num_blocks
         self.refs = [0] * num_blocks
         self.free_map = bytearray(b"\x01") * num_blocks

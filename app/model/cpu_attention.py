@@ -15,9 +15,14 @@ attention stays torch's, one call per sequence.
 
 Math flags: -ffast-math vectorises the exponentials and the sums (glibc's vector expf); it is
 given to the compile step alone (app/model/native.py says why).
+
+The op's CPU kernel is C++ too where it builds (app/model/kernels/attention_op.cpp, with torch's
+headers): for a forward `bind` tells it about (every span short, the pool's dtype), it calls the kernel
+with no Python in between; for any other it calls the op's Python body (app/model/ragged.py `attend`).
 """
 
 import ctypes
+import threading
 
 import torch
 
@@ -47,8 +52,56 @@ def kernel(dtype: torch.dtype = torch.float32):
 
 
 def usable(pool_dtype: torch.dtype, device: torch.device) -> bool:
-    """Whether a pool of this dtype on this device can take the kernel (building it if need be)."""
-    return device.type == "cpu" and kernel(pool_dtype) is not None
+    """Whether a pool of this dtype on this device can take the kernel (building it if need be); the first
+    time it can, the op's C++ CPU kernel is registered too (where it builds)."""
+    if device.type != "cpu" or kernel(pool_dtype) is None:
+        return False
+    if "impl" not in _op:
+        _register()
+    return True
+
+
+OP_SOURCE = "attention_op.cpp"  # the op's CPU kernel in C++ (its Python body where this does not build)
+_DTYPES = {torch.float32: 0, torch.bfloat16: 1}  # the C++ op's code for a pool's dtype
+_registered = threading.Lock()
+_op: dict[str, object] = {}  # "impl": "C++" or "Python" once registered; "bind", "unbind": the C++ setters
+
+
+def _register() -> None:
+    """Load the op's C++ CPU kernel (its load registers it with torch's dispatcher), else keep the Python body."""
+    with _registered:
+        if "impl" in _op:
+            return
+        compile_flags, link = native.torch_flags()
+        lib = native.load(OP_SOURCE, _FLAGS[:-1] + compile_flags, link)  # its own -std
+        if lib is None:
+            _op["impl"] = "Python"
+            return
+        i64, ptr = ctypes.c_int64, ctypes.c_void_p
+        lib.specserve_attention_bind.argtypes = [ptr, i64, ptr, ptr, i64, i64, i64, i64, i64, i64]
+        lib.specserve_attention_bind.restype = lib.specserve_attention_unbind.restype = None
+        _op.update(impl="C++", bind=lib.specserve_attention_bind, unbind=lib.specserve_attention_unbind)
+
+
+def implementation() -> str | None:
+    """Which body specserve::ragged_attention runs on a CPU: "C++", "Python", or None before it was asked for."""
+    return _op.get("impl")
+
+
+def bind(spans: "Spans | None", pool) -> None:
+    """Tell the C++ op what the forward this thread runs next is: `spans` over `pool` (an app.model.blocks.BlockPool),
+    where they are every span of the forward and the pool holds float32 or bfloat16; else (None, another
+    forward) nothing, so that each of its calls takes the op's Python body. The forward's tensors must
+    outlive its binding: the op reads them by address."""
+    if _op.get("impl") != "C++":
+        return
+    keys = pool.keys[0] if pool is not None else None
+    if spans is None or not spans.every or keys is None or keys.dtype not in _DTYPES or keys.device.type != "cpu":
+        _op["unbind"]()
+        return
+    heads_kv, slots, dim = keys.shape
+    _op["bind"](spans.meta.data_ptr(), spans.count, spans.tables.data_ptr(), pool.addresses.data_ptr(),
+                len(pool.keys), heads_kv, dim, slots, BLOCK_SIZE, _DTYPES[keys.dtype])
 
 
 class Spans:

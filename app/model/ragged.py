@@ -224,10 +224,17 @@ def active(layout: Layout):
     """Run a forward over `layout`: the attention op of every layer reads it."""
     before = getattr(_local, "layout", None)
     _local.layout = layout
+    _bind(layout)
     try:
         yield layout
     finally:
         _local.layout = before
+        _bind(before)
+
+
+def _bind(layout: "Layout | None") -> None:
+    """The C++ CPU kernel's view of the forward (app/model/cpu_attention.py bind): its paged spans, where they are all of it."""
+    cpu_attention.bind(layout.paged if layout is not None else None, layout.pool if layout is not None else None)
 
 
 # Defined through torch.library.Library rather than torch.library.custom_op: a step calls it once per
@@ -294,6 +301,10 @@ def sdpa(query, key, value, mask, scale: float, gqa: bool, fused_only: bool = Fa
 
 
 _LIBRARY.impl("ragged_attention", attend, "CompositeExplicitAutograd")
+# the same body under a name of its own: what the op's C++ CPU kernel calls for a forward it was not bound to
+_LIBRARY.define("ragged_attention_python(Tensor query, Tensor key, Tensor value, int layer, float scale) -> Tensor",
+                tags=(torch.Tag.cudagraph_unsafe,))
+_LIBRARY.impl("ragged_attention_python", attend, "CompositeExplicitAutograd")
 
 
 @torch.library.register_fake("specserve::ragged_attention")
