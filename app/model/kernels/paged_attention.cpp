@@ -95,6 +95,50 @@ inline float dot(const float* q, const T* key, int64_t dim, int64_t full) {
   return acc;
 }
 
+// Two vectors' lanes picked by index (0-7: a's, 8-15: b's), in GCC's and clang's spelling.
+typedef int32_t i32x8 __attribute__((vector_size(32)));
+#if defined(__clang__)
+#define SHUFFLE(a, b, ...) __builtin_shufflevector(a, b, __VA_ARGS__)
+#else
+#define SHUFFLE(a, b, ...) __builtin_shuffle(a, b, i32x8{__VA_ARGS__})
+#endif
+
+// out[u] = the sum of acc[u]'s lanes, u = 0..7: a tree of adds that transposes as it goes (three levels of
+// two shuffles and an add, where eight horizontal sums take eight times four), the same order every call.
+inline v8 sum_lanes(const v8* acc) {
+  v8 pairs[4], quads[2];
+  for (int u = 0; u < 4; ++u)  // [a0+a4, b0+b4, a1+a5, b1+b5, a2+a6, b2+b6, a3+a7, b3+b7]
+    pairs[u] = SHUFFLE(acc[2 * u], acc[2 * u + 1], 0, 8, 1, 9, 2, 10, 3, 11) +
+               SHUFFLE(acc[2 * u], acc[2 * u + 1], 4, 12, 5, 13, 6, 14, 7, 15);
+  for (int u = 0; u < 2; ++u)  // [a0145, b0145, c0145, d0145, a2367, b2367, c2367, d2367]
+    quads[u] = SHUFFLE(pairs[2 * u], pairs[2 * u + 1], 0, 1, 8, 9, 4, 5, 12, 13) +
+               SHUFFLE(pairs[2 * u], pairs[2 * u + 1], 2, 3, 10, 11, 6, 7, 14, 15);
+  return SHUFFLE(quads[0], quads[1], 0, 1, 2, 3, 8, 9, 10, 11) + SHUFFLE(quads[0], quads[1], 4, 5, 6, 7, 12, 13, 14, 15);
+}
+
+// scores[jj] = scale * (query . key jj) for a block's first m keys (float32, `dim` apart): eight keys at a
+// time in eight chains of multiply-adds, their sums gathered by sum_lanes; the block's last m % 8 keys one
+// by one (dot). Which way a key goes depends on m alone, and a row's m at a block is fixed by its position,
+// so a row's scores are the same in any batch.
+inline void block_scores(const float* q, const float* keys, int64_t m, int64_t dim, int64_t full, float scale,
+                         float* scores) {
+  int64_t jj = 0;
+  for (; jj + 8 <= m; jj += 8) {
+    v8 acc[8] = {};
+    const float* k = keys + jj * dim;
+    for (int64_t x = 0; x < full; x += 8) {
+      const v8 qx = load8(q + x);
+      for (int u = 0; u < 8; ++u) acc[u] += qx * load8(k + u * dim + x);
+    }
+    v8 sums = sum_lanes(acc);
+    for (int64_t x = full; x < dim; ++x)  // a head size that is not a multiple of 8
+      for (int u = 0; u < 8; ++u) sums[u] += q[x] * k[u * dim + x];
+    sums *= scale;
+    std::memcpy(scores + jj, &sums, sizeof sums);
+  }
+  for (; jj < m; ++jj) scores[jj] = dot(q, keys + jj * dim, dim, full) * scale;
+}
+
 // acc[base .. base + 8N) += p[jj] * value_jj[base ..] for the block's positions jj < n in order, the sums
 // held in registers across the block (in memory, every position's add would wait on the last one's store).
 template <int N, typename T>
@@ -181,7 +225,7 @@ void span_group(const Args<T>& a, int64_t i, int64_t g, Scratch& w) {
     const float* block = as_float(keys + table[b] * a.block * dim, std::min(a.block, end - j0), dim, w);
     for (int64_t qi = 0; qi < n; ++qi) {
       const int64_t seen = start + qi % rows + 1, m = std::min(a.block, seen - j0);
-      for (int64_t jj = 0; jj < m; ++jj) s[qi * end + j0 + jj] = dot(qf + qi * dim, block + jj * dim, dim, full) * a.scale;
+      if (m > 0) block_scores(qf + qi * dim, block, m, dim, full, a.scale, s + qi * end + j0);
     }
   }
   for (int64_t qi = 0; qi < n; ++qi) {
