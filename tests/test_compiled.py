@@ -247,3 +247,20 @@ def test_a_reduce_overhead_step_gives_its_thread_cuda_graph_trees_of_its_own(mon
     worker.join(timeout=60)
     assert seen == {"state": {}, "in_tls": True, "serialised": True}
     assert not compiled._graph_steps.locked()
+
+
+def test_a_cpu_model_one_graph_holds_compiles_whole_and_each_model_gets_its_own_logits(pair, tokenizer):
+    """A decoder no deeper than `compile_layers` compiles whole on a CPU (embeddings to final norm, no
+    eager work around a per-layer graph), unguarded on its modules: two models of one shape and different
+    weights in one process each get the logits of their own eager forward from their graphs."""
+    runners = warm_runners(pair, tokenizer, "default")
+    assert all(r.steps is not None and not r.steps.per_layer for r in runners)
+    prompt, rows = list(range(3, 20)), [21, 22, 23, 24]
+    logits = []
+    for runner, model in zip(runners, pair):
+        runner.forward([SeqInput("x", prompt, 1)])  # longer than every bucket: eager
+        got = runner.forward([SeqInput("x", prompt + rows, 4)])[0]  # the 4-token bucket's graph
+        want = model(torch.tensor([prompt + rows])).logits[0, -4:].float()
+        torch.testing.assert_close(got.float(), want, atol=1e-4, rtol=1e-4)
+        logits.append(got.float())
+    assert (logits[0] - logits[1]).abs().max() > 0.1  # the two models' logits are not alike

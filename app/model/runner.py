@@ -95,7 +95,7 @@ class Execution:
     compile_max_tokens: int = 128
     pack: bool = False
     packed_dtype: torch.dtype | None = None
-    compile_per_layer: bool | None = None  # None: on a CPU (app/model/compiled.py, CompiledSteps)
+    compile_per_layer: bool | None = None  # None: on a CPU, where the depth is more than compile_layers (CompiledSteps)
     compile_layers: int = LAYERS_PER_GRAPH  # per_layer: consecutive layers per graph (app/config.py)
 
 
@@ -215,8 +215,11 @@ class ModelRunner:
             return None
         # symbolic token counts on a GPU, where a compile takes longest and a bucket's own kernels gain
         # little (the matmuls are cuBLAS's either way); static on a CPU, whose kernels gain from them
-        # one layer's graph on a CPU, whose compiler took minutes per bucket for a whole 30-layer model
-        per_layer = self.device.type == "cpu" if per_layer is None else per_layer
+        # on a CPU, whose compiler took minutes per bucket for a whole 30-layer model, runs of layers a graph
+        # where the decoder is deeper than one run; where one graph holds every layer it holds the embeddings,
+        # rotary and final norm too, eager around a per-layer graph (the reference draft's step: -20 %)
+        if per_layer is None:
+            per_layer = self.device.type == "cpu" and self.kv_shape()[0] > execution.compile_layers
         return CompiledSteps(self.model, mode, min(execution.compile_max_tokens, self.max_forward_tokens),
                              dynamic=self.device.type == "cuda", per_layer=per_layer,
                              layers_per_graph=execution.compile_layers)
