@@ -80,8 +80,7 @@ def _register() -> None:
     with _registered:
         if "impl" in _op:
             return
-        compile_flags, link = native.torch_flags()
-        lib = native.load(OP_SOURCE, _FLAGS[:-1] + compile_flags, link)  # its own -std
+        lib = native.load_op(OP_SOURCE, _FLAGS)
         if lib is None:
             _LIBRARY.impl("linear", _linear, "CPU")
             _op["impl"] = "Python"

@@ -90,6 +90,14 @@ def load(source: str, flags: list[str], link: list[str] = ()) -> ctypes.CDLL | N
         return _loaded[source]
 
 
+def load_op(source: str, flags: list[str]) -> ctypes.CDLL | None:
+    """A kernel that registers torch ops (`#include <torch/library.h>`), loaded (its load registers them with
+    torch's dispatcher), or None where it cannot be built: `flags` as for its kernels, their -std replaced by
+    torch's."""
+    compile_flags, link = torch_flags()
+    return load(source, [f for f in flags if not f.startswith("-std=")] + compile_flags, link)
+
+
 def torch_flags() -> tuple[list[str], list[str]]:
     """What a kernel that registers torch ops (`#include <torch/library.h>`) adds to its compile and link
     steps: torch's headers and ABI, and its libraries, which the process has loaded already."""
