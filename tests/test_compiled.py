@@ -202,6 +202,33 @@ def test_a_cpu_compiles_one_graph_per_bucket_whatever_the_depth(tokenizer):
         assert c.token_ids == e.token_ids
 
 
+def test_a_llama_decoder_calls_its_runs_of_layers_itself_for_the_same_bits(tokenizer, monkeypatch):
+    """Per layer, a decoder whose forward is Llama's has its runs of layers called by the steps themselves
+    (CompiledSteps._by_runs): a compiled step never enters the decoder's forward, compiles nothing new, and
+    its logits are those of the same graphs called through the decoder's forward, to the bit."""
+    model = make_model(seed=1, layers=4)
+    runner = ModelRunner(model, tokenizer, Execution(compile="default", compile_max_tokens=MAX, compile_layers=2))
+    runner.warm()
+    steps = runner.steps
+    assert steps.per_layer and steps.direct and steps.run_list == [tuple(model.model.layers[:2]),
+                                                                    tuple(model.model.layers[2:])]
+    entered = []
+    forward = model.model.forward
+    monkeypatch.setattr(model.model, "forward", lambda *a, **kw: entered.append(1) or forward(*a, **kw))
+    prompt = list(range(3, 20))
+    runner.forward([SeqInput("x", prompt, 1)])  # longer than every bucket: eager, through the decoder
+    entered.clear()
+    logits = {}
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        for direct in (True, False):
+            steps.direct = direct
+            logits[direct] = runner.forward([SeqInput(f"{direct}", prompt + [21, 22, 23], 3)])[0]
+            assert bool(entered) is not direct
+            entered.clear()
+    assert torch.equal(logits[True], logits[False])
+    assert not compiled._llama_shaped(model.model, 3)  # a decoder that runs fewer layers than it holds
+
+
 def test_a_cpu_steps_wrapper_code_is_cpp(pair, tokenizer, monkeypatch):
     """On a CPU inductor writes each graph's wrapper (the code that calls its kernels and ops in turn) as
     C++, not Python (app/model/compiled.py, _on_cpu): every graph a runner's warm-up compiles (or loads

@@ -153,6 +153,15 @@ def _graph_length(layers: int, most: int) -> int:
     return max(k for k in range(1, min(layers, most) + 1) if layers % k == 0)
 
 
+def _llama_shaped(decoder, depth: int) -> bool:
+    """Whether the decoder's forward is transformers' Llama one (embeddings, rotary embeddings, every layer
+    with one causal mask, final norm), inherited unchanged, over all its `depth` layers. Others (a scaled
+    embedding, masks per layer type) keep their own forward around the graphs."""
+    from transformers.models.llama.modeling_llama import LlamaModel
+
+    return type(decoder).forward is LlamaModel.forward and decoder.config.num_hidden_layers == depth
+
+
 def _decoder_layers(decoder) -> list | None:
     """The decoder's repeated layers, where they are one ModuleList of one class whose parameters and
     buffers have one set of names, shapes and dtypes (the one graph runs them all, unguarded)."""
@@ -211,6 +220,9 @@ class CompiledSteps:
             self.runs = {m: tuple(layers[i : i + k]) if i % k == 0 else () for i, m in enumerate(layers)}
             for m in layers:
                 m.forward = types.MethodType(_dispatching_forward, m)
+            # a decoder whose forward is Llama's calls its runs itself (_by_runs): the same calls, less the rest
+            self.direct = _llama_shaped(self.decoder, len(layers))
+            self.run_list = [run for run in self.runs.values() if run]
             self.graph = self._decode
         elif wrapper and not dynamic:
             # a CPU's whole decoder (its depth fits one graph): a code object of this runner's own, as per_layer's,
@@ -234,6 +246,8 @@ class CompiledSteps:
                 return self.graph(input_ids, position_ids)
         if not self.per_layer:
             return self.graph(input_ids, position_ids)
+        if self.direct:
+            return self._by_runs(input_ids, position_ids)
         _regional.steps = self
         try:
             return self.graph(input_ids, position_ids)
@@ -245,6 +259,23 @@ class CompiledSteps:
         # per layer: attention takes the layers in order (a layer's index would be the one graph's constant)
         return self.decoder(input_ids=input_ids, position_ids=position_ids, attention_mask=empty, use_cache=False,
                             **{LAYOUT: IN_ORDER if self.per_layer else True}).last_hidden_state
+
+    def _by_runs(self, input_ids: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
+        """A Llama-shaped decoder's forward (_llama_shaped) as its own code runs it, with each run of layers
+        called here, once: the graphs get the arguments the decoder would pass its layers (its causal mask of
+        our empty mask is that mask, its cache None), so they are the same graphs and give the same bits.
+
+        Why: through the decoder's forward a step also paid for every layer's module call (the runs' heads
+        call the graph, the rest pass their input on), the decoder's wrappers, its mask and its output; the
+        reference target's bfloat16 step spent ~0.5 ms of ~16 there (py-spy, one thread)."""
+        decoder = self.decoder
+        hidden = decoder.embed_tokens(input_ids)
+        position_embeddings = decoder.rotary_emb(hidden, position_ids=position_ids)
+        empty = torch.empty(1, 1, 0, 0, dtype=torch.bool, device=input_ids.device)
+        for run in self.run_list:
+            hidden = self.layers(run, hidden, attention_mask=empty, position_embeddings=position_embeddings,
+                                 position_ids=position_ids, cache=None, use_cache=False, **{LAYOUT: IN_ORDER})
+        return decoder.norm(hidden)
 
     def bucket(self, tokens: int) -> int | None:
         """The bucket a forward of `tokens` runs in; None when it is larger than every bucket (eager)."""
