@@ -19,6 +19,15 @@ from opentelemetry.trace import Span, SpanKind
 
 TRACER_NAME = "specserve"
 FALLBACK_REASONS = ("draft_unavailable", "deadline", "controller", "draft_behind", "goodput")
+STEP_STATES = ("compiling", "compiled", "eager", "failed")  # what steps_state() says of a runner's compile_status
+
+
+def steps_state(status: str) -> str:
+    """The kind of a ModelRunner's compile_status, one of STEP_STATES: "failed" for a build that failed
+    twice or steps that failed their check (the runner runs eagerly, and was meant to compile)."""
+    if status.startswith("compiling"):
+        return "compiling"
+    return status if status in ("compiled", "eager") else "failed"
 
 _tracer: trace.Tracer | None = None  # None = tracing off
 

@@ -31,7 +31,7 @@ def mean(name: str, by: str = "") -> str:
     return f"sum{group}(rate({m(name, '_sum')}{RATE})) / sum{group}(rate({m(name, '_count')}{RATE}))"
 
 
-# vLLM's names, from the app's /metrics (k8s/monitoring.yaml's second PodMonitor; deployments/metrics.py)
+# vLLM's names, from the app's /metrics (k8s/monitoring.yaml's second PodMonitor; deployments/vllm_metrics.py)
 VLLM_HISTOGRAMS = ["time_to_first_token_seconds", "inter_token_latency_seconds",
                    "request_time_per_output_token_seconds", "e2e_request_latency_seconds", "request_queue_time_seconds"]
 VLLM_GAUGES = ["num_requests_running", "num_requests_waiting", "kv_cache_usage_perc"]

@@ -234,7 +234,8 @@ def deploy(config: dict, timeout_s: float = 600, progress=None, every_s: float =
 
 def steps_status(name: str, deployments=("TargetServer", "DraftServer")) -> dict[str, str]:
     """What each model server of application `name` runs its forwards on (ModelRunner.compile_status:
-    "compiling i/n", "compiled" or "eager"), asked of one replica of each; a server not answering is left out."""
+    "compiling i/n" (", retry" on the second try), "compiled", "eager", or "eager: why" where a build failed
+    twice or its steps failed their check), asked of one replica of each; a server not answering is left out."""
     from ray import serve
 
     out = {}
@@ -262,7 +263,7 @@ def watch_steps(name: str, stop: threading.Event, progress, every_s: float = 30.
             return
         if building:
             progress(f"  {time.monotonic() - started:4.0f} s: serving on eager forwards while compiling "
-                     "steps: " + ", ".join(f"{d} {s.split()[-1]}" for d, s in sorted(building.items())))
+                     "steps: " + ", ".join(f"{d} {s.removeprefix('compiling ')}" for d, s in sorted(building.items())))
 
 
 def stop_on_signals(stop: threading.Event | None = None) -> threading.Event:

@@ -28,7 +28,8 @@ from app.chunks import Chunk
 from app.errors import RankFailure
 from app.job import GenerationJob
 from deployments.args import AppConfig
-from deployments.metrics import DispatchMetrics, VLLMMetrics
+from deployments.metrics import DispatchMetrics
+from deployments.vllm_metrics import VLLMMetrics
 
 log = logging.getLogger("ray.serve")
 

@@ -29,7 +29,7 @@ from app.openai.tokenization import DetokenizeRequest, TokenizeChatRequest, Toke
 from deployments.args import AppConfig, chat_template_text
 from deployments.dispatch import Dispatcher
 from deployments.http_api import api, narrow_schema
-from deployments.metrics import VLLMMetrics, totals_actor
+from deployments.vllm_metrics import VLLMMetrics, totals_actor
 from deployments.streams import (StreamedChoices, StreamedResponse, all_or_stop, next_chunk, read_choice,
                                  sse_events, stop_streams)
 
@@ -72,7 +72,7 @@ class Ingress:
 
     @api.get("/metrics")
     async def metrics(self):
-        """vLLM's metrics, under vLLM's names, in Prometheus' text format (deployments/metrics.py)."""
+        """vLLM's metrics, under vLLM's names, in Prometheus' text format (deployments/vllm_metrics.py)."""
         return Response(await self.vllm_metrics.render(), media_type=prometheus_client.CONTENT_TYPE_LATEST)
 
     @api.get("/v1/models")

@@ -42,11 +42,13 @@ from deployments.args import (
     TargetConfig,
 )
 from deployments.draft_client import DraftClient
-from deployments.metrics import GaugeReport, RoundMetrics, ServerMetrics, totals_actor
+from deployments.metrics import RoundMetrics, ServerMetrics
+from deployments.vllm_metrics import GaugeReport, totals_actor
 from deployments.tp import RankGroup
 
 # measured on 2 CPU cores, demo pair, one stream: 75 -> 105 tok/s speculative, target forward 25 -> 19 ms
 SWITCH_INTERVAL_S = 0.0005
+STEPS_EVERY_S = 5.0  # how often a replica building its steps in the background reports how far it got
 
 
 def _replica_id() -> str:
@@ -56,8 +58,9 @@ def _replica_id() -> str:
         return "local"
 
 
-def _kv_report(replica_id: str) -> GaugeReport | None:
-    """This target replica's KV usage, reported to its app's metric totals (None outside Serve)."""
+def _gauge_report(replica_id: str) -> GaugeReport | None:
+    """This model replica's gauges (its steps' state; a target's KV usage), reported to its app's metric
+    totals for the ingress's /metrics (None outside Serve)."""
     try:
         app = serve.get_replica_context().app_name
     except Exception:  # outside Serve (unit tests)
@@ -95,7 +98,27 @@ class _Server:
         self.replica_id = _replica_id()
         self.cores: Claim | None = None  # pinned cores (pin_cores), held while the replica lives
         self.metrics = ServerMetrics()
+        self.gauge_report = _gauge_report(self.replica_id)  # summed over the app's replicas on the ingress's /metrics
         telemetry.configure_tracing(type(self).__name__)
+
+    def _watch_steps(self) -> None:
+        """Report the steps' state (ModelRunner.compile_status) now and, while they are built in the
+        background, until the build ends (a failed build shows within STEPS_EVERY_S)."""
+        self._report_steps()
+        if self.runner is not None and self.runner.compile_thread is not None:
+            _start(self._steps_until_built())
+
+    async def _steps_until_built(self) -> None:
+        while self.runner.compile_thread.is_alive():
+            await asyncio.sleep(STEPS_EVERY_S)
+            self._report_steps()
+        self._report_steps()
+
+    def _report_steps(self) -> None:
+        state = telemetry.steps_state(self.runner.compile_status if self.runner is not None else "eager")
+        self.metrics.steps(state)
+        if self.gauge_report is not None:
+            self.gauge_report.set(steps={self.SERVER: {state: 1}})
 
     def _queue(self, forward, release, budget: BatchBudget, name: str, forget) -> ForwardQueue:
         def on_batch(size: int, tokens: int, seconds: float) -> None:
@@ -137,6 +160,8 @@ class _Server:
 class DraftServer(_Server):
     """Proposes K tokens per sequence for many sequences (of many target replicas) in one batch."""
 
+    SERVER = "draft"
+
     def __init__(self, cfg: ModelConfig, path: str, batch: BatchConfig, top_n: int):
         super().__init__()
         path = local_model(path, cfg.revision, cfg.download_dir)  # fetched once per node when remote
@@ -149,6 +174,7 @@ class DraftServer(_Server):
                                  self.runner.forget)
         self.callers = CallerWaits()
         self.contexts = ContextMirror()  # the sequences' contexts: a call sends each one's new tokens
+        self._watch_steps()
 
     async def propose_many(self, calls: Calls) -> list[Proposal | BaseException]:
         """A target replica's proposals of one step (deployments/contexts.py Deltas): each joins the
@@ -174,6 +200,8 @@ class TargetServer(_Server):
 
     Tensor-parallel over rank workers when tensor_parallel_size > 1 (rank 0 answers).
     """
+
+    SERVER = "target"
 
     def __init__(self, cfg: TargetConfig, path: str, batch: TargetBatchConfig, draft, speculation: SpeculationConfig,
                  max_context: int):
@@ -207,7 +235,7 @@ class TargetServer(_Server):
         self.batch_ema = 1.0  # verify batch size, smoothed: the load that load-aware K weighs
         self.verify_curve = VerifyCurve(speculation.verify_saturation_tokens)  # forward time by tokens
         self.queue.on_batch = self._on_batch
-        self.kv_report = _kv_report(self.replica_id)  # vllm:kv_cache_usage_perc on the ingress's /metrics
+        self._watch_steps()
         policy = DraftPolicy.of(speculation)
         if draft is not None:
             self._warming = _start(self._connect(draft))
@@ -235,9 +263,9 @@ class TargetServer(_Server):
         self._report_kv()
 
     def _report_kv(self) -> None:
-        if self.kv_report is not None:
+        if self.gauge_report is not None:
             cache = self.cache
-            self.kv_report.set(kv_usage=cache.live_bytes / cache.max_bytes if cache.max_bytes else 0.0, kv_replicas=1)
+            self.gauge_report.set(kv_usage=cache.live_bytes / cache.max_bytes if cache.max_bytes else 0.0, kv_replicas=1)
 
     async def _release(self, seq_id: str) -> None:
         await super()._release(seq_id)

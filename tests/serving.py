@@ -87,7 +87,7 @@ def remove_app(name: str) -> None:
     import ray
     from ray import serve
 
-    from deployments.metrics import TOTALS_NAMESPACE, totals_actor_name
+    from deployments.vllm_metrics import TOTALS_NAMESPACE, totals_actor_name
 
     serve.delete(name)
     with contextlib.suppress(ValueError):  # no replica asked for the totals

@@ -175,7 +175,7 @@ def test_a_background_build_that_fails_leaves_the_runner_eager(pair, tokenizer, 
     with caplog.at_level(logging.WARNING):
         runner.on_thread(runner.warm, fail, True)
         runner.compile_thread.join(timeout=600)
-    assert runner.steps is None and runner.compile_status == "eager"
+    assert runner.steps is None and runner.compile_status.startswith("eager: the build failed twice")
     assert "no room to compile" in caplog.text
     assert runner.forward([SeqInput("a", [5, 6, 7], 1)])[0].shape == (1, runner.vocab_size)
 

@@ -13,7 +13,7 @@ from app.model.runner import ModelRunner
 from conftest import blend
 from deployments.args import AppConfig
 from deployments.dispatch import Dispatcher
-from deployments.metrics import VLLMMetrics
+from deployments.vllm_metrics import VLLMMetrics
 
 PROMPT_IDS = list(range(20, 40))
 N = 24

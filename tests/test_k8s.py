@@ -607,7 +607,7 @@ def test_grafana_dashboard_uses_the_exported_metric_names():
     assert any("ray_serve_deployment_replica_healthy" in e for e in exprs)
     vllm = {re.sub(r"_(bucket|sum|count)$", "", n) for n in re.findall(r"\bvllm:(\w+)", " ".join(exprs))}
     assert vllm == set(dash.VLLM_HISTOGRAMS + dash.VLLM_GAUGES)
-    from deployments.metrics import VLLM_HISTOGRAMS
+    from deployments.vllm_metrics import VLLM_HISTOGRAMS
     assert set(dash.VLLM_HISTOGRAMS) <= set(VLLM_HISTOGRAMS)  # names /metrics serves
     for e in exprs:
         assert e.count("(") == e.count(")") and e.count("{") == e.count("}"), e

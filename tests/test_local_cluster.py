@@ -134,3 +134,21 @@ def test_serve_says_how_far_the_background_compile_has_got_then_once_that_it_is_
     assert len(lines) == 3, lines
     assert "DraftServer 5/8, TargetServer 2/8" in lines[0] and "TargetServer 7/8" in lines[1]
     assert "DraftServer" not in lines[1] and "DraftServer compiled, TargetServer compiled" in lines[2]
+
+
+def test_serve_says_when_a_build_is_retried_and_when_it_failed(monkeypatch):
+    import threading
+
+    stop = threading.Event()
+    answers = iter([{"TargetServer": "compiling 3/8, retry", "DraftServer": "compiled"},
+                    {"TargetServer": "eager: the build failed twice (RuntimeError: no room)", "DraftServer": "compiled"}])
+    monkeypatch.setattr(local, "steps_status", lambda name: next(answers))
+    lines = []
+    watch = threading.Thread(target=local.watch_steps, args=("specserve", stop, lines.append), kwargs={"every_s": 0})
+    watch.start()
+    while len(lines) < 2 and watch.is_alive():
+        watch.join(0.01)
+    stop.set()
+    watch.join(60)
+    assert "TargetServer 3/8, retry" in lines[0]
+    assert "TargetServer eager: the build failed twice (RuntimeError: no room)" in lines[1]

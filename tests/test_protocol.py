@@ -184,7 +184,7 @@ def _finish(counters, speculation: dict) -> None:
 
 def test_vllm_spec_decode_counters_read_as_vllms_client_reads_them():
     """`vllm bench serve` sums lines starting `vllm:spec_decode` whose name ends in `_total`."""
-    from deployments.metrics import VLLMMetrics
+    from deployments.vllm_metrics import VLLMMetrics
 
     counters = VLLMMetrics("target")
     _finish(counters, {"drafted_rounds": 3, "drafted_tokens": 12, "accepted_tokens": 7, "accepted_per_position": [3, 3, 1]})
@@ -205,7 +205,7 @@ def test_vllm_spec_decode_counters_read_as_vllms_client_reads_them():
 def test_every_ingress_replica_serves_the_same_spec_decode_totals():
     """Two replicas' counters over one totals store (in the app, a Ray actor): a scrape of either shows
     the sum of both, whichever one answers; with the store gone a replica shows its own counts."""
-    from deployments.metrics import MetricTotals, VLLMMetrics
+    from deployments.vllm_metrics import MetricTotals, VLLMMetrics
 
     store = MetricTotals()
 

@@ -298,6 +298,15 @@ def test_the_replicas_take_their_compiled_steps_and_keep_the_targets_tokens(app,
     assert status == {"TargetServer": "compiled", "DraftServer": "compiled"}
     r = client.completions.create(model="target", prompt=PROMPTS[1], max_tokens=N, temperature=0, extra_body=EXTRA)
     assert r.choices[0].text == reference[PROMPTS[1]]
+    # the ingress's /metrics counts the replicas by their steps' state (each reports within its gauges' interval)
+    for _ in range(60):  # bounded
+        lines = [ln for ln in httpx.get(f"{app}/metrics", timeout=30).text.splitlines()
+                 if ln.startswith("specserve:replica_steps{")]
+        if sum(float(ln.split()[-1]) for ln in lines if 'state="compiled"' in ln) == 2:
+            break
+        time.sleep(1)
+    compiled = {ln.split('server="')[1].split('"')[0]: float(ln.split()[-1]) for ln in lines if 'state="compiled"' in ln}
+    assert compiled == {"target": 1.0, "draft": 1.0}, lines
 
 
 INVALID = [  # (params of a job that no model of the pair can run, the parameter its error names)

@@ -11,7 +11,7 @@ from app.params import SamplingParams
 from deployments.args import AppConfig
 from deployments.dispatch import Dispatcher
 from test_dispatch import TargetPool
-from deployments.metrics import (GAUGE_TTL_S, HEARTBEAT_S, VLLM_ITL_S, VLLM_REQUEST_S, VLLM_TTFT_S, GaugeReport,
+from deployments.vllm_metrics import (GAUGE_TTL_S, HEARTBEAT_S, VLLM_ITL_S, VLLM_REQUEST_S, VLLM_TTFT_S, GaugeReport,
                                  MetricTotals, VLLMMetrics)
 
 SPEC = {"drafted_rounds": 2, "drafted_tokens": 6, "accepted_tokens": 3, "accepted_per_position": [2, 1]}
@@ -163,7 +163,7 @@ def test_gauges_sum_over_replicas_and_a_silent_replicas_age_out():
 def _render(counts: dict) -> str:
     import prometheus_client
 
-    from deployments.metrics import _Counts
+    from deployments.vllm_metrics import _Counts
 
     registry = prometheus_client.CollectorRegistry()
     registry.register(_Counts("target", {"per_pos": [], **counts}))
@@ -192,3 +192,15 @@ def test_a_gauge_report_sends_changes_at_most_every_interval_and_a_heartbeat():
     assert sent[0] == {"kv_usage": 0.2, "kv_replicas": 1}
     assert sent.count(sent[0]) == len(sent)  # nothing changed after: later sends are heartbeats
     assert len(sent) == 1 + (len(slept) - 1) // int(HEARTBEAT_S) >= 2
+
+
+def test_replicas_steps_are_counted_by_server_and_state():
+    store = MetricTotals(clock=Clock())
+    store.add({}, {"steps": {"target": {"compiling": 1}}, "kv_usage": 0.0, "kv_replicas": 1}, "target-a")
+    store.add({}, {"steps": {"target": {"failed": 1}}, "kv_usage": 0.0, "kv_replicas": 1}, "target-b")
+    out = store.add({}, {"steps": {"draft": {"compiled": 1}}}, "draft-a")
+    fams = {f.name: f for f in text_string_to_metric_families(_render(out))}
+    got = {(s.labels["server"], s.labels["state"]): s.value for s in fams["specserve:replica_steps"].samples}
+    assert got[("target", "compiling")] == got[("target", "failed")] == got[("draft", "compiled")] == 1
+    assert got[("target", "compiled")] == got[("draft", "failed")] == got[("draft", "eager")] == 0
+    assert len(got) == 8

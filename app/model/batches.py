@@ -13,6 +13,7 @@ from app.model.hf_compat import with_cache
 from app.model.kv import SequenceCache, common_prefix, grown_capacity
 from app.model.ragged import LAYOUT, Layout, Span, active
 from app.model.syncs import upload
+from app.model.sessions import MODEL_CODE
 
 
 @dataclass
@@ -96,7 +97,7 @@ class RaggedBatch:
         bucket = runner.steps.bucket(len(positions)) if runner.steps else None
         if layout.flex:  # its mask is built here, eagerly: create_block_mask does not run inside a compiled step
             layout.block_mask(bucket or len(positions))
-        with active(layout):
+        with active(layout), MODEL_CODE.shared():  # never beside a compile session (app/model/sessions.py)
             if bucket:
                 return runner.steps.logits(input_ids, position_ids, index)[:, : runner.vocab_size].float()
             extra = {"logits_to_keep": index} if runner.ragged_logits else {}
@@ -307,10 +308,11 @@ class Batch:
 
     def _run(self, input_ids, positions, cache_position, keep: torch.Tensor | None = None) -> torch.Tensor:
         extra = {} if keep is None else {"logits_to_keep": keep}
-        out = self.runner.model(
-            input_ids=input_ids, attention_mask=None if self.aligned else self.mask, position_ids=positions,
-            cache_position=cache_position, use_cache=True, **with_cache(self.runner.model, self.cache), **extra,
-        )
+        with MODEL_CODE.shared():  # never beside a compile session (app/model/sessions.py)
+            out = self.runner.model(
+                input_ids=input_ids, attention_mask=None if self.aligned else self.mask, position_ids=positions,
+                cache_position=cache_position, use_cache=True, **with_cache(self.runner.model, self.cache), **extra,
+            )
         return out.logits
 
     @torch.inference_mode()

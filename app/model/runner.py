@@ -1,5 +1,6 @@
 """ModelRunner: a Hugging Face causal LM with per-sequence KV caches and ragged batched forwards."""
 
+import contextlib
 import contextvars
 import logging
 import os
@@ -149,7 +150,8 @@ class ModelRunner:
         # compiled steps over static token counts (app/model/compiled.py): ragged forwards of one device only
         self.steps = self._compiled(execution)
         # what a replica reports (warm(background=True) builds the steps while forwards run eagerly):
-        # "compiling i/n", "compiled", or "eager" (compile off or impossible here, or failed its check)
+        # "compiling i/n", "compiled", "eager" (compile off or impossible here), or "eager: why" (a build
+        # that failed twice, or steps that failed their check); app.telemetry.steps_state names its kind
         self.compile_status = "eager"
         self.compile_thread: threading.Thread | None = None
         # models whose forward takes a per-row mask of the positions to project (transformers'
@@ -249,33 +251,45 @@ class ModelRunner:
         self._build(self.steps, progress)
         self._adopt(self.steps)
 
-    def _build(self, steps: CompiledSteps, progress) -> None:
+    def _build(self, steps: CompiledSteps, progress, attempt: str = "") -> None:
         """Compile every bucket of `steps` (one call of its graph each, over an empty layout: the
-        attention op writes and reads no position, so no sequence's KV is touched)."""
+        attention op writes and reads no position, so no sequence's KV is touched). Each bucket's compile
+        session holds MODEL_CODE alone: no forward of any runner of the process runs beside it
+        (app/model/sessions.py), so a build in the background pauses forwards one bucket at a time."""
         name = getattr(self.model.config, "_name_or_path", "") or type(self.model).__name__
         with torch.inference_mode(), active(Layout([], self.pool(), self.attention)) as layout:
             for i, n in enumerate(steps.buckets):
-                progress(f"compiling {name}'s step for {n} tokens ({i + 1}/{len(steps.buckets)})")
-                self.compile_status = f"compiling {i}/{len(steps.buckets)}"
+                progress(f"compiling {name}'s step for {n} tokens ({i + 1}/{len(steps.buckets)}){attempt}")
+                self.compile_status = f"compiling {i}/{len(steps.buckets)}{attempt}"
                 if layout.flex:
                     layout.block_mask(n)
                 ids, positions = (torch.zeros(1, n, dtype=torch.long, device=self.device) for _ in range(2))
-                steps.run(ids, positions)
+                steps.run(ids, positions)  # its compile holds MODEL_CODE alone (app/model/sessions.py)
 
     def _build_then_adopt(self, steps: CompiledSteps, progress) -> None:
-        try:
-            self._build(steps, progress)
-            self.on_thread(self._adopt, steps)
-        except Exception as e:  # a failed compile leaves the replica serving as it did: eager
-            log.warning("compiling steps in the background failed: eager forwards: %r", e)
-            self.compile_status = "eager"
-        else:
-            progress(f"compiled steps {'in use' if self.steps else 'failed their check: eager forwards'}")
+        """The background build: tried twice (a second try compiles only what the first left unbuilt),
+        then the steps taken on the forward thread; a build that fails twice leaves the runner eager
+        and says why in its status (app.telemetry.steps_state: "failed")."""
+        failure = None
+        for attempt in ("", ", retry"):
+            try:
+                self._build(steps, progress, attempt)
+                self.on_thread(self._adopt, steps)
+            except Exception as e:  # a failed compile leaves the replica serving as it did: eager
+                failure = f"{type(e).__name__}: {e}"[:300]
+                log.warning("compiling steps in the background failed%s: %s", attempt, failure)
+                self.steps = None
+            else:
+                progress(f"compiled steps {'in use' if self.steps else 'failed their check: eager forwards'}")
+                return
+        self.compile_status = f"eager: the build failed twice ({failure})"
+        with contextlib.suppress(Exception):  # a progress line that fails (as the build's did) changes nothing
+            progress(f"compiling steps failed twice: eager forwards ({failure})")
 
     def _adopt(self, steps: CompiledSteps) -> None:
         """Take built steps (on the forward thread) if they pass `check_compiled`."""
         self.steps = steps
-        self.compile_status = "compiled" if self.check_compiled() else "eager"
+        self.compile_status = "compiled" if self.check_compiled() else "eager: compiled steps disagreed with eager ones"
 
     @torch.inference_mode()
     def check_compiled(self, ids: list[int] | None = None) -> bool:
