@@ -11,6 +11,7 @@ from torch._dynamo.utils import counters
 from app.model import compiled
 from app.engine import Engine
 from app.model.runner import Execution, ModelRunner, SeqInput
+from app.model.sessions import MODEL_CODE
 from conftest import blend, make_model
 from test_engine import PROMPTS, greedy, reference
 
@@ -254,8 +255,9 @@ def test_a_reduce_overhead_step_gives_its_thread_cuda_graph_trees_of_its_own(mon
     thread that imported the module had it, and the fourth GPU run (an H200, torch 2.11) failed there:
     the draft's forward thread met `assert torch._C._is_key_in_tls(...)` once the target's forward
     thread had imported the module. A reduce-overhead step gives its thread the state first, and runs
-    one at a time in the process (capture is process-wide state). The graph is stubbed: a CPU records
-    no CUDA graph."""
+    one at a time in the process, holding MODEL_CODE alone (capture is process-wide state; a lock of its
+    own, taken under a forward's share, hung two runners: app/model/sessions.py). The graph is stubbed: a
+    CPU records no CUDA graph."""
     from torch._inductor import cudagraph_trees as trees
 
     steps = compiled.CompiledSteps.__new__(compiled.CompiledSteps)
@@ -265,7 +267,7 @@ def test_a_reduce_overhead_step_gives_its_thread_cuda_graph_trees_of_its_own(mon
     def graph(ids, positions):
         seen["state"] = trees.local.__dict__.get("tree_manager_containers")
         seen["in_tls"] = torch._C._is_key_in_tls("tree_manager_containers")
-        seen["serialised"] = compiled._graph_steps.locked()
+        seen["serialised"] = MODEL_CODE._writer == threading.get_ident()
         return ids
 
     steps.graph = graph
@@ -273,7 +275,34 @@ def test_a_reduce_overhead_step_gives_its_thread_cuda_graph_trees_of_its_own(mon
     worker.start()
     worker.join(timeout=60)
     assert seen == {"state": {}, "in_tls": True, "serialised": True}
-    assert not compiled._graph_steps.locked()
+    assert MODEL_CODE._writer is None
+
+
+def test_two_forwards_whose_reduce_overhead_steps_compile_take_turns():
+    """Two runners' forward threads, each holding its share of MODEL_CODE, each run a reduce-overhead
+    step whose first call compiles (MODEL_CODE alone; here a stub graph takes it as a compile does).
+    With a lock of the steps' own taken under the share, one held that lock waiting for the other's
+    share, which waited for that lock: both hung, every run."""
+    both_in, done = threading.Barrier(2, timeout=60), []
+
+    def graph(ids, positions):
+        with MODEL_CODE.exclusive():  # what the step's first call does: compile
+            return ids + 1
+
+    def forward(name):
+        steps = compiled.CompiledSteps.__new__(compiled.CompiledSteps)
+        steps.mode, steps.per_layer, steps.graph = "reduce-overhead", False, graph
+        with MODEL_CODE.shared():
+            both_in.wait()
+            done.append((name, steps.run(torch.zeros(1, 1), torch.zeros(1, 1)).item()))
+
+    threads = [threading.Thread(target=forward, args=(n,), daemon=True) for n in "ab"]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    assert not any(t.is_alive() for t in threads), "two reduce-overhead steps hung on each other"
+    assert sorted(done) == [("a", 1.0), ("b", 1.0)] and MODEL_CODE._writer is None and MODEL_CODE._shared == 0
 
 
 def test_a_cpu_model_one_graph_holds_compiles_whole_and_each_model_gets_its_own_logits(pair, tokenizer):

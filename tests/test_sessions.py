@@ -121,6 +121,41 @@ def test_every_compile_session_of_the_process_takes_the_lock_alone():
     assert MODEL_CODE._writer is None and not torch.compiler.is_compiling()
 
 
+def test_a_forward_that_compiles_beside_another_threads_compile_never_hangs():
+    """Two locks, one order, made to happen: thread B converts a frame (dynamo's compile lock) while
+    forward A holds its share of MODEL_CODE, and then A meets an uncompiled frame of its own (as eager
+    FlexAttention's first call does). Without MODEL_CODE in front of dynamo's lock, B held that lock and
+    waited for A's share while A waited for the lock: both hung for good, every run."""
+    assert sessions.install()
+    forward_in, b_waits, results = threading.Event(), threading.Event(), {}
+
+    def backend(gm, example_inputs):
+        return gm.forward
+
+    def compiler():
+        results["b"] = torch.compile(lambda x: x * 3, backend=backend, fullgraph=True)(torch.ones(2))
+
+    def forward():
+        with MODEL_CODE.shared():
+            forward_in.set()
+            assert b_waits.wait(BOUND_S)  # B is inside its compile and waits for this share to go
+            results["a"] = torch.compile(lambda x: x - 1, backend=backend, fullgraph=True)(torch.ones(2))
+
+    MODEL_CODE.on_wait = lambda mode: b_waits.set() if mode == "exclusive" else None
+    try:
+        a = started(forward)
+        assert forward_in.wait(BOUND_S)
+        b = started(compiler)
+        for t in (a, b):
+            t.join(BOUND_S)
+        hung = [t for t in (a, b) if t.is_alive()]
+    finally:
+        MODEL_CODE.on_wait = None
+    assert not hung, "a forward and a compile beside it hung on each other's locks"
+    assert torch.equal(results["a"], torch.zeros(2)) and torch.equal(results["b"], torch.full((2,), 3.0))
+    assert MODEL_CODE._writer is None and MODEL_CODE._shared == 0
+
+
 def test_no_forward_runs_inside_another_runners_compile_session(target_model, tokenizer):
     """The race of a background build, made to happen: runner A's build holds its compile session open
     (its backend waits there) until runner B's eager forward was tried beside it. Without the lock B's

@@ -37,6 +37,7 @@ import torch
 from app.model.cpu_linear import real_rows
 from app.speculation.draft_vocab import FLOOR
 from app.model.ragged import IN_ORDER, LAYOUT
+from app.model.sessions import MODEL_CODE
 
 log = logging.getLogger(__name__)
 
@@ -88,11 +89,14 @@ def agrees(eager: torch.Tensor, compiled: torch.Tensor, dtype: torch.dtype) -> t
 
 _regional = threading.local()  # the CompiledSteps whose step this thread runs (per_layer), if any
 
-# One reduce-overhead step at a time in the process: CUDA graph capture and its memory pool's warm-up are
-# process-wide state, and a capture in one thread breaks on another's work (torch 2.13 serialises them
-# itself; 2.11, the lent GPUs' build, does not). Two runners of one process (the engine in process, the
-# gpu check) then take turns; served replicas are processes of their own.
-_graph_steps = threading.Lock()
+# One reduce-overhead step at a time in the process, and no other forward beside it: CUDA graph capture
+# and its memory pool's warm-up are process-wide state, and a capture in one thread breaks on another's
+# work (torch 2.13 serialises them itself; 2.11, the lent GPUs' build, does not). MODEL_CODE taken alone,
+# not a lock of its own: a forward holds its share of MODEL_CODE when it gets here, and a step's first
+# call compiles (MODEL_CODE alone, app/model/sessions.py), so a second lock taken under the share hung
+# two runners for good (one waiting for the lock, the other, holding it, for the first one's share).
+# Two runners of one process (the engine in process, the gpu check) then take turns; served replicas
+# are processes of their own.
 
 
 def _own_graph_trees() -> None:
@@ -242,7 +246,7 @@ class CompiledSteps:
         """The decoder's last hidden states of a packed row whose length is a bucket, [1, T, H]."""
         if self.mode == "reduce-overhead":
             _own_graph_trees()
-            with _graph_steps:
+            with MODEL_CODE.exclusive():
                 return self.graph(input_ids, position_ids)
         if not self.per_layer:
             return self.graph(input_ids, position_ids)

@@ -14,7 +14,15 @@ takes MODEL_CODE alone. That covers our builds (`ModelRunner._build`,
 one bucket a session), a recompile, and the sessions that eager FlexAttention starts inside a forward.
 
 `MODEL_CODE.shared()` around every forward (any number at once: each runner has its forward thread);
-each compile session holds it exclusively. A waiting session goes before later forwards, so a build in
+each compile session holds it exclusively.
+
+One order for the two locks of a compile: dynamo converts a frame under its own process-wide lock
+(`torch._dynamo.convert_frame.compile_lock`) and opens the session inside it. A forward that met an
+uncompiled frame (eager FlexAttention compiles its kernel on first use; a reduce-overhead step's first
+call) waited for that lock while holding its share, and the thread holding that lock waited for the
+share: two runners' forward threads hung for good (the suite's compiled-steps tests, 1 run in 2 on a
+2-core machine). So `install` also puts MODEL_CODE, taken alone, in front of dynamo's lock: whoever
+holds dynamo's lock holds MODEL_CODE alone, and a thread waiting for either has given up its share. A waiting session goes before later forwards, so a build in
 the background pauses forwards for one bucket at a time, between two of them. A thread that holds the
 lock shared and starts a session (a forward that compiles) gives up its share meanwhile: two such
 threads take turns and never deadlock.
@@ -101,13 +109,40 @@ class SharedExclusiveLock:
 MODEL_CODE = SharedExclusiveLock()
 
 
+class _ExclusiveFirst:
+    """dynamo's compile lock with MODEL_CODE taken alone in front of it (the same `with` protocol,
+    re-entrant like the RLock it wraps): no thread ever waits for dynamo's lock while it holds a share."""
+
+    def __init__(self, inner):
+        self.inner = inner
+        self._holds = threading.local()  # this thread's open MODEL_CODE.exclusive() contexts
+
+    def __enter__(self):
+        hold = MODEL_CODE.exclusive()
+        hold.__enter__()
+        self.inner.acquire()
+        self._holds.stack = [*getattr(self._holds, "stack", []), hold]
+        return self
+
+    def __exit__(self, *exc):
+        hold = self._holds.stack.pop()
+        self.inner.release()
+        hold.__exit__(None, None, None)
+        return False
+
+
 def install() -> bool:
-    """Make every compile session of the process take MODEL_CODE alone before torch raises its flag
-    (torch.compiler._compile_session_context, which dynamo enters once per session). Idempotent; False
+    """Make every compile session of the process, and dynamo's compile lock around it, take MODEL_CODE
+    alone first (torch.compiler._compile_session_context, which dynamo enters once per session;
+    torch._dynamo.convert_frame.compile_lock, a module global looked up at each use). Idempotent; False
     where this torch has no such function (then it has no process-wide flag to keep apart either)."""
     session = getattr(torch.compiler, "_compile_session_context", None)
     if session is None:
         return False
+    from torch._dynamo import convert_frame
+
+    if not isinstance(convert_frame.compile_lock, _ExclusiveFirst):
+        convert_frame.compile_lock = _ExclusiveFirst(convert_frame.compile_lock)
     if getattr(session, "_specserve_exclusive", False):
         return True
 
