@@ -51,4 +51,4 @@ fuzz: install-test
 
 # on a machine with one NVIDIA GPU (and a CUDA torch: see TORCH_SPEC above); no Ray, no network
 gpu-check: install-test
-	$(BIN)/python -m specserve.gpu_check --isolate 300 --json gpu-check.json
+	$(BIN)/python -m specserve.gpu.check --isolate 300 --json gpu-check.json

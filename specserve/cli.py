@@ -86,10 +86,10 @@ def cmd_serve(args) -> int:
 def cmd_bench(args) -> int:
     """In process, or with --url the sweep against a running server."""
     if args.url:
-        from specserve.bench_http import url_cli
+        from specserve.bench.http_sweep import url_cli
 
         return url_cli(args)
-    from specserve.bench import bench_cli
+    from specserve.bench.inprocess import bench_cli
 
     return bench_cli(args)
 
@@ -139,7 +139,7 @@ def parser() -> argparse.ArgumentParser:
     _pair_arguments(s)
     s.set_defaults(func=cmd_serve)
 
-    from specserve.bench import add_bench_arguments
+    from specserve.bench.inprocess import add_bench_arguments
 
     b = sub.add_parser("bench", help="benchmark speculative vs target-only decoding (in process, or --url)")
     add_bench_arguments(b)

@@ -7,7 +7,7 @@ import json
 import pytest
 import torch
 
-from specserve import bench
+from specserve.bench import inprocess
 
 KEYS = ["output_tokens_per_s", "ttft_ms", "tpot_ms", "itl_ms", "tau", "acceptance_rate", "alpha",
         "acceptance_by_position", "mean_k", "c_measured", "c_estimator", "bound", "speedup", "efficiency",
@@ -19,22 +19,22 @@ def cli_args(model_dirs, tmp_path, *extra) -> argparse.Namespace:
     prompts.write_text('{"prompt": "def fib(n):\\n", "id": "fib"}\nhello world, this is a prompt\n')
     argv = ["--target", model_dirs["target"], "--draft", model_dirs["draft"], "--dtype", "float32",
             "--prompts", str(prompts), "--max-tokens", "8", "--no-progress", *extra]
-    return bench.add_bench_arguments(argparse.ArgumentParser()).parse_args(argv)
+    return inprocess.add_bench_arguments(argparse.ArgumentParser()).parse_args(argv)
 
 
 def test_every_mode_reports_every_key(model_dirs, tmp_path, capsys):
     out_json, out_png = tmp_path / "r.json", tmp_path / "r.png"
     args = cli_args(model_dirs, tmp_path, "--json", str(out_json), "--plot", str(out_png))
-    assert bench.bench_cli(args) == 0
+    assert inprocess.bench_cli(args) == 0
     report = json.loads(out_json.read_text())
-    assert set(report["modes"]) == set(bench.MODES)
+    assert set(report["modes"]) == set(inprocess.MODES)
     assert report["identity_passed"] is True
     for name, row in report["modes"].items():
         assert set(KEYS) <= set(row), name
         assert row["output_tokens"] == 2 * 8, name  # EOS ignored everywhere: lengths agree
         assert row["output_tokens_per_s"] > 0 and row["tau"] >= 1.0
         assert row["ttft_ms"]["p50"] > 0 and row["tpot_ms"]["p99"] >= row["tpot_ms"]["p50"]
-        if not bench.MODES[name].hf:
+        if not inprocess.MODES[name].hf:
             assert row["identical"], name
             assert all(0.0 <= a <= 1.0 for a in row["acceptance_by_position"])
     for name in ["spec-k2", "spec-k4", "spec-k6"]:
@@ -57,9 +57,9 @@ def test_every_mode_reports_every_key(model_dirs, tmp_path, capsys):
 
 
 def test_a_mismatch_of_our_modes_fails_the_run(model_dirs, tmp_path, monkeypatch, capsys):
-    from specserve import bench_runs
+    from specserve.bench import runs
 
-    real = bench_runs.run_engine
+    real = runs.run_engine
 
     def corrupt(engine, ids, mode, max_tokens):
         run = real(engine, ids, mode, max_tokens)
@@ -67,15 +67,15 @@ def test_a_mismatch_of_our_modes_fails_the_run(model_dirs, tmp_path, monkeypatch
             run.tokens[-1] = (run.tokens[-1] + 1) % engine.target.vocab_size
         return run
 
-    monkeypatch.setattr(bench_runs, "run_engine", corrupt)
+    monkeypatch.setattr(runs, "run_engine", corrupt)
     args = cli_args(model_dirs, tmp_path, "--modes", "spec-k2,spec-k4", "--plot", "")
-    assert bench.bench_cli(args) == 1
+    assert inprocess.bench_cli(args) == 1
     err = capsys.readouterr().err
     assert "spec-k4" in err and "'fib'" in err and "output token 7" in err
 
 
 def test_bad_options_are_refused(model_dirs, tmp_path, capsys):
-    assert bench.bench_cli(cli_args(model_dirs, tmp_path, "--modes", "target,k9")) == 2
+    assert inprocess.bench_cli(cli_args(model_dirs, tmp_path, "--modes", "target,k9")) == 2
     assert "k9" in capsys.readouterr().err
 
 
@@ -85,15 +85,15 @@ def test_bad_options_are_refused(model_dirs, tmp_path, capsys):
 def test_prompts_file_formats(tmp_path, text, expected):
     path = tmp_path / "p.jsonl"
     path.write_text(text)
-    assert bench.load_prompts(str(path), None) == expected
-    assert bench.load_prompts(str(path), 1) == (expected[0][:1], expected[1][:1])
+    assert inprocess.load_prompts(str(path), None) == expected
+    assert inprocess.load_prompts(str(path), 1) == (expected[0][:1], expected[1][:1])
 
 
 def test_prefill_bench_reports_both_modes(model_dirs, capsys):
-    from specserve import prefill_bench
+    from specserve.bench import prefill
 
     threads = str(torch.get_num_threads())  # leave the suite's setting as it was
-    assert prefill_bench.main(["--target", model_dirs["target"], "--streams", "2", "--prompt-tokens", "150",
+    assert prefill.main(["--target", model_dirs["target"], "--streams", "2", "--prompt-tokens", "150",
                                "--chunk", "32", "--threads", threads]) == 0
     report = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert set(report) == {"whole", "chunks of 32"}
@@ -102,16 +102,16 @@ def test_prefill_bench_reports_both_modes(model_dirs, capsys):
 
 
 def test_draft_ahead_is_off_in_process_unless_asked(model_dirs, tmp_path):
-    assert bench._load(cli_args(model_dirs, tmp_path)).policy.ahead is False
-    assert bench._load(cli_args(model_dirs, tmp_path, "--draft-ahead")).policy.ahead is True
+    assert inprocess._load(cli_args(model_dirs, tmp_path)).policy.ahead is False
+    assert inprocess._load(cli_args(model_dirs, tmp_path, "--draft-ahead")).policy.ahead is True
 
 
 def test_constraint_bench_reports_each_constraint(tmp_path, capsys):
     from serving import save_tiny_pair
-    from specserve import constraint_bench
+    from specserve.bench import constraint
 
     target, draft = save_tiny_pair(tmp_path, byte_level=True, special_tokens=["[TOOL_CALLS]"])
-    assert constraint_bench.main(["--target", target, "--draft", draft, "--prompts", "2", "--max-tokens", "12",
+    assert constraint.main(["--target", target, "--draft", draft, "--prompts", "2", "--max-tokens", "12",
                                   "--tool-parser", "mistral"]) == 0
     report = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert list(report) == ["none", "json_object", "regex", "tool call (mistral, forced)"]

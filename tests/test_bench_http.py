@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from specserve import bench, bench_http
+from specserve.bench import http_sweep, inprocess
 from serving import running_app, save_tiny_pair
 
 pytestmark = pytest.mark.slow
@@ -29,12 +29,12 @@ def cli_args(url, tmp_path, *extra) -> argparse.Namespace:
     prompts.write_text('{"prompt": "def fib(n):\\n", "id": "fib"}\nhello world, this is a prompt\n')
     argv = ["--url", url, "--prompts", str(prompts), "--concurrency", "1,2", "--max-tokens", "8",
             "--modes", ",".join(MODES), "--no-progress", *extra]
-    return bench.add_bench_arguments(argparse.ArgumentParser()).parse_args(argv)
+    return inprocess.add_bench_arguments(argparse.ArgumentParser()).parse_args(argv)
 
 
 def test_sweep_reports_every_mode_and_level(url, tmp_path, capsys):
     out_json, out_png = tmp_path / "r.json", tmp_path / "r.png"
-    assert bench_http.url_cli(cli_args(url, tmp_path, "--json", str(out_json), "--plot", str(out_png))) == 0
+    assert http_sweep.url_cli(cli_args(url, tmp_path, "--json", str(out_json), "--plot", str(out_png))) == 0
     report = json.loads(out_json.read_text())
     assert report["identity_passed"] is True
     assert list(report["modes"]) == MODES and report["config"]["concurrency"] == [1, 2]
@@ -54,7 +54,7 @@ def test_sweep_reports_every_mode_and_level(url, tmp_path, capsys):
 
 
 def test_a_differing_output_fails_the_run(url, tmp_path, monkeypatch, capsys):
-    real = bench_http.stream_completion
+    real = http_sweep.stream_completion
 
     async def corrupt(client, model, prompt, index, mode, max_tokens):
         run = await real(client, model, prompt, index, mode, max_tokens)
@@ -62,20 +62,20 @@ def test_a_differing_output_fails_the_run(url, tmp_path, monkeypatch, capsys):
             run.text = ("@" if run.text.startswith("#") else "#") + run.text[1:]
         return run
 
-    monkeypatch.setattr(bench_http, "stream_completion", corrupt)
-    assert bench_http.url_cli(cli_args(url, tmp_path, "--plot", "")) == 1
+    monkeypatch.setattr(http_sweep, "stream_completion", corrupt)
+    assert http_sweep.url_cli(cli_args(url, tmp_path, "--plot", "")) == 1
     err = capsys.readouterr().err
     assert "spec-k2 at concurrency 1" in err and "'fib'" in err and "character 0" in err
 
 
 def test_bad_options_are_refused(tmp_path, capsys):
     url = "http://127.0.0.1:9"  # refused before any request
-    assert bench_http.url_cli(cli_args(url, tmp_path, "--modes", "target,hf-target")) == 2
+    assert http_sweep.url_cli(cli_args(url, tmp_path, "--modes", "target,hf-target")) == 2
     assert "hf-target" in capsys.readouterr().err
-    assert bench_http.url_cli(cli_args(url, tmp_path, "--concurrency", "0,2")) == 2
+    assert http_sweep.url_cli(cli_args(url, tmp_path, "--concurrency", "0,2")) == 2
     assert "--concurrency" in capsys.readouterr().err
 
 
 def test_an_unreachable_server_is_an_error_not_a_traceback(tmp_path, capsys):
-    assert bench_http.url_cli(cli_args("http://127.0.0.1:9", tmp_path)) == 1
+    assert http_sweep.url_cli(cli_args("http://127.0.0.1:9", tmp_path)) == 1
     assert "cannot reach" in capsys.readouterr().err

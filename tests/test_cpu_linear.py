@@ -312,10 +312,10 @@ def test_a_draft_on_bfloat16_packed_weights_proposes_and_the_output_stays_the_ta
 
 
 def test_the_linears_benchmark_times_every_linear_of_a_model_both_ways(tmp_path):
-    """`python -m specserve.kv_bench --model DIR --linears 1,5`: each row count timed through the kernel
+    """`python -m specserve.bench.kv --model DIR --linears 1,5`: each row count timed through the kernel
     and F.linear, with the kernel's read rate over the model's linear weights."""
     from conftest import make_model
-    from specserve.kv_bench import linears
+    from specserve.bench.kv import linears
 
     make_model(seed=0).save_pretrained(tmp_path)
     out = linears(str(tmp_path), [1, 5], repeats=1)
@@ -325,10 +325,10 @@ def test_the_linears_benchmark_times_every_linear_of_a_model_both_ways(tmp_path)
 
 
 def test_the_step_benchmark_times_each_graph_length_on_the_paged_path(tmp_path, tokenizer):
-    """`python -m specserve.kv_bench --model DIR --compile-layers 1,2`: a whole forward of 1 and 5 rows for
+    """`python -m specserve.bench.kv --model DIR --compile-layers 1,2`: a whole forward of 1 and 5 rows for
     each number of layers a compiled graph runs (the setting compile_layers), interleaved."""
     from conftest import make_model
-    from specserve.kv_bench import steps
+    from specserve.bench.kv import steps
 
     make_model(seed=0).save_pretrained(tmp_path)
     tokenizer.save_pretrained(tmp_path)

@@ -5,7 +5,7 @@ import json
 import pytest
 import torch
 
-from specserve import gpu_check
+from specserve.gpu import check as gpu_check
 
 
 def test_the_gpu_check_runs_end_to_end_at_smoke_sizes(tmp_path):
@@ -46,7 +46,7 @@ def test_a_difference_from_generate_fails_the_check(monkeypatch, tmp_path):
 
 
 def test_a_rank_that_differs_from_generate_fails_the_tensor_parallel_step(monkeypatch):
-    from specserve import gpu_tp
+    from specserve.gpu import tp as gpu_tp
 
     real = gpu_tp._ranks
 
@@ -62,7 +62,7 @@ def test_a_rank_that_differs_from_generate_fails_the_tensor_parallel_step(monkey
 
 
 def test_tensor_parallel_is_skipped_plainly_with_one_gpu(monkeypatch):
-    from specserve import gpu_tp
+    from specserve.gpu import tp as gpu_tp
 
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     assert gpu_tp.check_tensor_parallel("cuda", torch.bfloat16, smoke=False) == {

@@ -95,6 +95,13 @@ def test_no_module_imports_itself_through_others(graph):
     assert not cycles, cycles
 
 
+def test_the_tooling_keeps_its_top_level_short():
+    """specserve/ holds the command and what it serves at its top level; the benchmarks (specserve/bench/),
+    the GPU check (specserve/gpu/) and the pair builders (specserve/demo/) are packages of their own."""
+    top = sorted(path.name for path in (ROOT / "specserve").glob("*.py"))
+    assert len(top) <= 8, top
+
+
 def test_no_source_file_outgrows_a_sitting():
     """A module a newcomer reads in one go: about 400 lines at most (split by concern past that)."""
     long = {name: n for name, path in modules().items() if (n := len(path.read_text().splitlines())) > 420}

@@ -79,14 +79,14 @@ def test_the_right_key_is_served_and_health_stays_open(http):
 def test_the_http_benchmark_sends_the_key_and_says_when_one_is_wanted(app, tmp_path, capsys, monkeypatch):
     import argparse
 
-    from specserve import bench, bench_http
+    from specserve.bench import http_sweep, inprocess
 
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text('{"prompt": "def f(x):"}\n')
 
     def sweep(*extra: str) -> int:
-        parser = bench.add_bench_arguments(argparse.ArgumentParser())
-        return bench_http.url_cli(parser.parse_args(["--url", app, "--prompts", str(prompts), "--concurrency", "1",
+        parser = inprocess.add_bench_arguments(argparse.ArgumentParser())
+        return http_sweep.url_cli(parser.parse_args(["--url", app, "--prompts", str(prompts), "--concurrency", "1",
                                                      "--max-tokens", "4", "--modes", "target", "--no-progress",
                                                      *extra]))
 

@@ -19,7 +19,7 @@ from app.params import SamplingParams
 from app.speculation.steps import Proposal, ProposeItem, VerifyItem, verify
 from app.speculation.drafting import propose
 from app.model.syncs import SyncCounter
-from specserve.figures import Timed
+from specserve.bench.figures import Timed
 
 
 @dataclass(frozen=True)

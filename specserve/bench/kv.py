@@ -1,9 +1,9 @@
 """How attention should read a paged KV cache on this machine: ms per layer for each way of reading it.
 
-    python -m specserve.kv_bench [--sequences 16] [--rows 5] [--keys 300] [--heads 4] [--head-dim 64]
-    python -m specserve.kv_bench --model DIR [--compile default|off]    # a model's whole forwards
-    python -m specserve.kv_bench --model DIR --compile-layers 6,15      # ... by layers a compiled graph
-    python -m specserve.kv_bench --model DIR --linears 1,5,16           # a model's linears alone
+    python -m specserve.bench.kv [--sequences 16] [--rows 5] [--keys 300] [--heads 4] [--head-dim 64]
+    python -m specserve.bench.kv --model DIR [--compile default|off]    # a model's whole forwards
+    python -m specserve.bench.kv --model DIR --compile-layers 6,15      # ... by layers a compiled graph
+    python -m specserve.bench.kv --model DIR --linears 1,5,16           # a model's linears alone
 
 A batch of `sequences` sequences with `rows` new query rows each and `keys` to `keys + 7 * sequences`
 cached positions, in blocks of app.model.kv.BLOCK_SIZE, read four ways: a view of one run of the
@@ -173,7 +173,8 @@ def linears(model_dir: str, rows: list[int], repeats: int) -> dict:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(prog="python -m specserve.bench.kv", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--sequences", type=int, default=16)
     ap.add_argument("--rows", type=int, default=5)
     ap.add_argument("--keys", type=int, default=300)

@@ -1,6 +1,6 @@
 """Speculation under output constraints: acceptance and tokens per round with and without a grammar.
 
-    python -m specserve.constraint_bench [--target DIR --draft DIR] [--prompts 8] [--max-tokens 64] [--k 4]
+    python -m specserve.bench.constraint [--target DIR --draft DIR] [--prompts 8] [--max-tokens 64] [--k 4]
 
 In process, greedy, fixed K, on the demo's held-out code prompts. One row per constraint: none, any
 JSON object, a regex, and a forced tool call in `--tool-parser`'s format. A grammar masks the draft
@@ -39,7 +39,7 @@ def measure(engine: Engine, prompts: list[str], fmt: dict | None, k: int, max_to
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m specserve.constraint_bench", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m specserve.bench.constraint", description=__doc__.splitlines()[0])
     p.add_argument("--target", help="target model: hub id or local directory (default: the demo pair)")
     p.add_argument("--draft", help="draft model (with --target)")
     p.add_argument("--prompts", type=int, default=8, help="held-out code prompts to run")

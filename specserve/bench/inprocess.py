@@ -32,8 +32,8 @@ from tqdm.auto import tqdm
 
 from app.speculation.controller import CostEstimator, expected_speedup
 from app.engine import Engine
-from specserve.bench_runs import MODES, Mode, PromptRun, measure_costs, measure_syncs, run_one
-from specserve.figures import (WARMUP_TOKENS, ExactnessError, differences, fmt, latency_summary, load_prompts,
+from specserve.bench.runs import MODES, Mode, PromptRun, measure_costs, measure_syncs, run_one
+from specserve.bench.figures import (WARMUP_TOKENS, ExactnessError, differences, fmt, latency_summary, load_prompts,
                            write_outputs)
 
 

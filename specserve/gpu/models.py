@@ -1,4 +1,4 @@
-"""The models `gpu_check` runs (specserve/gpu_check.py): Llama-shaped, built from configs with random
+"""The models `gpu_check` runs (specserve/gpu/check.py): Llama-shaped, built from configs with random
 weights scaled so that their distributions are peaked like a trained model's, a word-level
 tokenizer over their ids, random prompts, and the near-tie rule a bf16 difference is judged by."""
 

@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 import httpx
 from tqdm.auto import tqdm
 
-from specserve.figures import (WARMUP_TOKENS, ExactnessError, Timed, differences, fmt, latency_summary, load_prompts,
+from specserve.bench.figures import (WARMUP_TOKENS, ExactnessError, Timed, differences, fmt, latency_summary, load_prompts,
                            write_outputs)
 
 DEFAULT_MODES = ("target", "spec-auto")

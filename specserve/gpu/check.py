@@ -19,7 +19,7 @@ architecture, with random weights scaled so its distributions are peaked like a 
 5. production path: the pair loaded as a replica loads it (the budget from the device's memory), bf16,
    compiled, 32 requests (greedy and seeded sampled), recompiles an error once warm, syncs counted
    (torch.cuda.set_sync_debug_mode); a second run must give the same tokens.
-6. tensor parallel (specserve/gpu_tp.py): two ranks started as a replica's rank workers start (NCCL, one
+6. tensor parallel (specserve/gpu/tp.py): two ranks started as a replica's rank workers start (NCCL, one
    GPU each; gloo on a CPU), verify rounds that accept, reject and recover, against `generate`, and a
    round's time at tensor_parallel_size 1 and 2; skipped, saying so, with fewer than two GPUs.
 7. benchmark: a Llama-shaped target of about 1B parameters and a 2-layer draft in bf16 (float32 on a
@@ -43,16 +43,16 @@ import torch
 import torch._dynamo
 
 from app.model import dtypes
-from specserve.gpu_models import blend, llama, near_tie, prompts, tokenizer
-from specserve.gpu_tp import check_tensor_parallel
-from specserve.bench_runs import K_MATCHED, MODES, Mode, forward_ms, run_engine, run_hf
+from specserve.gpu.models import blend, llama, near_tie, prompts, tokenizer
+from specserve.gpu.tp import check_tensor_parallel
+from specserve.bench.runs import K_MATCHED, MODES, Mode, forward_ms, run_engine, run_hf
 from app.speculation.driver import DraftPolicy
 from app.engine import Engine, EngineSettings
 from app.params import SamplingParams
 from app.model.runner import Execution, ModelRunner, SeqInput
 from app.speculation.sampling import process_logits, rejection_sample
 
-log = logging.getLogger("specserve.gpu_check")  # not __name__: run as __main__
+log = logging.getLogger("specserve.gpu.check")  # not __name__: run as __main__
 VOCAB = 32000
 NO_NATIVE_BF16 = "this device has no native bf16 matmul (torch would take its scalar fallback): not run"
 
@@ -344,14 +344,14 @@ def benchmark(device: str, smoke: bool) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m specserve.gpu_check", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m specserve.gpu.check", description=__doc__.splitlines()[0])
     p.add_argument("--device", default="cuda", help="torch device (default cuda)")
     p.add_argument("--smoke", action="store_true", help="tiny sizes: the same code in seconds, e.g. on a CPU")
     p.add_argument("--json", help="write the report here")
     p.add_argument("--only", help="comma-separated steps to run (default all): identity_fp32, identity_bf16, "
                                   "sampling, attention, served_path, production_path, tensor_parallel, benchmark")
     p.add_argument("--isolate", type=float, metavar="SECONDS",
-                   help="each step in a process of its own, stopped after SECONDS (specserve/gpu_steps.py)")
+                   help="each step in a process of its own, stopped after SECONDS (specserve/gpu/steps.py)")
     args = p.parse_args(argv)
     # the engine's progress (each compiled bucket, the budget) with seconds since start: a step that
     # runs out of its time says where it was
@@ -378,7 +378,7 @@ def main(argv: list[str] | None = None) -> int:
             p.error(f"unknown steps: {', '.join(sorted(unknown))}")
         steps = [(name, run) for name, run in steps if name in args.only.split(",")]
     if args.isolate:
-        from specserve.gpu_steps import run_isolated
+        from specserve.gpu.steps import run_isolated
 
         extra = ["--device", args.device] + (["--smoke"] if args.smoke else [])
         with tempfile.TemporaryDirectory() as tmp:

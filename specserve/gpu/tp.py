@@ -23,7 +23,7 @@ import torch.multiprocessing as mp
 from app.config import ModelSettings
 from app.params import SamplingParams
 from app.speculation.steps import Proposal, VerifyItem, verify
-from specserve.gpu_models import llama, near_tie, prompts, tokenizer
+from specserve.gpu.models import llama, near_tie, prompts, tokenizer
 
 WORLD = 2
 K = 4
@@ -136,7 +136,7 @@ def check_tensor_parallel(device: str, dtype: torch.dtype, smoke: bool, timeout_
     from app.engine import Engine
     from app.model.loading import load_runner
     from app.model.runner import ModelRunner
-    from specserve.bench_runs import MODES, run_hf
+    from specserve.bench.runs import MODES, run_hf
 
     cuda = device.startswith("cuda")
     if cuda and torch.cuda.device_count() < WORLD:

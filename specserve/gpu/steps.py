@@ -14,14 +14,14 @@ from pathlib import Path
 
 def run_isolated(steps: list[str], seconds: float, extra: list[str], json_path: str | None, tmp: Path,
                  say=print) -> dict:
-    """Run `python -m specserve.gpu_check --only STEP` per step (with `extra` arguments), each stopped after
+    """Run `python -m specserve.gpu.check --only STEP` per step (with `extra` arguments), each stopped after
     `seconds`; its output goes straight to ours. Returns the merged report."""
     report: dict = {}
     for name in steps:
         out = tmp / f"{name}.json"
         started = time.perf_counter()
         try:
-            code = subprocess.run([sys.executable, "-m", "specserve.gpu_check", "--only", name, "--json", str(out),
+            code = subprocess.run([sys.executable, "-m", "specserve.gpu.check", "--only", name, "--json", str(out),
                                    *extra], timeout=seconds).returncode
         except subprocess.TimeoutExpired:  # the child is killed by now
             code = None

@@ -1,6 +1,6 @@
 """Per-round verify time of the target at tensor_parallel_size 1 and N, on this machine's devices.
 
-    python -m specserve.tp_bench --target DIR [--tp 2] [--k 4] [--batch 1,8] [--rounds 20]
+    python -m specserve.bench.tp --target DIR [--tp 2] [--k 4] [--batch 1,8] [--rounds 20]
 
 On CPU the ranks are processes over gloo: this shows that sharding is correct and what it costs,
 not a speed-up (two ranks share the same cores). The ranks are started with torch.multiprocessing,
@@ -74,7 +74,8 @@ def measure(args, world: int) -> dict:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(prog="python -m specserve.bench.tp", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--target", required=True, help="target model directory or hub id")
     p.add_argument("--tp", type=int, default=2)
     p.add_argument("--k", type=int, default=4)

@@ -1,6 +1,6 @@
 """What a long prompt costs the streams already decoding beside it, with and without chunked prefill.
 
-    python -m specserve.prefill_bench [--target DIR] [--streams 3] [--prompt-tokens 3000] [--chunk 512]
+    python -m specserve.bench.prefill [--target DIR] [--streams 3] [--prompt-tokens 3000] [--chunk 512]
 
 In process, target only, greedy: `--streams` requests decode while one long prompt arrives. Prints,
 for whole-prompt prefill and for chunks of `--chunk` tokens, the decoding streams' median and longest
@@ -50,7 +50,7 @@ async def _run(engine: Engine, streams: int, long_ids: list[int]) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m specserve.prefill_bench", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m specserve.bench.prefill", description=__doc__.splitlines()[0])
     p.add_argument("--target", help="target model: hub id or local directory (default: the demo target)")
     p.add_argument("--streams", type=int, default=3)
     p.add_argument("--prompt-tokens", type=int, default=3000)
