@@ -126,7 +126,7 @@ def test_a_forward_that_compiles_beside_another_threads_compile_never_hangs():
     forward A holds its share of MODEL_CODE, and then A meets an uncompiled frame of its own (as eager
     FlexAttention's first call does). Without MODEL_CODE in front of dynamo's lock, B held that lock and
     waited for A's share while A waited for the lock: both hung for good, every run."""
-    assert sessions.install()
+    assert sessions.install(dynamo=True)  # as CompiledSteps and eager FlexAttention ask
     forward_in, b_waits, results = threading.Event(), threading.Event(), {}
 
     def backend(gm, example_inputs):

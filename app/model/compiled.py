@@ -37,6 +37,7 @@ import torch
 from app.model.cpu_linear import real_rows
 from app.speculation.draft_vocab import FLOOR
 from app.model.ragged import IN_ORDER, LAYOUT
+from app.model import sessions
 from app.model.sessions import MODEL_CODE
 
 log = logging.getLogger(__name__)
@@ -121,7 +122,7 @@ def _own_graph_trees() -> None:
 # without AVX-512), 7.5 ms of a 71 ms step at one layer a graph; 6 layers a graph: 54 ms (10: 55 ms).
 # Once the kernels were faster (a Zen 4 with AVX-512) the calls showed more: 15 layers a graph (two calls
 # for that 30-layer target) against 6, a step 30.7 -> 28.8 ms in float32 and 22.5 -> 20.3 in bfloat16,
-# 30 no better (`OMP_NUM_THREADS=1 python -m specserve.kv_bench --model DIR --sequences 1 --keys 200
+# 30 no better (`OMP_NUM_THREADS=1 python -m specserve.bench.kv --model DIR --sequences 1 --keys 200
 # --compile-layers 6,15,30 --dtype float32|bfloat16`, the three interleaved in one process). The first compile
 # grows with the graph (that target's 8 buckets: 73 s at 15 layers on the Zen 4, 85 s at 6 on the older
 # EPYC, ~15 s from inductor's cache); a served CPU replica builds them in the background.
@@ -190,6 +191,7 @@ class CompiledSteps:
                  layers_per_graph: int = LAYERS_PER_GRAPH):
         if mode not in MODES or mode == "off":
             raise ValueError(f"compile mode must be one of {MODES[1:]}, got {mode!r}")
+        sessions.install(dynamo=True)  # dynamo's compile lock behind MODEL_CODE (app/model/sessions.py)
         self.decoder, self.head = model.get_decoder(), model.get_output_embeddings()
         self.buckets = buckets(max_tokens)
         self.mode, self.dynamic = mode, dynamic

@@ -35,7 +35,7 @@ Inside the op, attention takes one of three paths (`ModelRunner(attention=...)`)
   needs pages of 128-256 positions (BLOCK_SIZE is 16), hence the gather (app/model/varlen.py). On a CPU,
   where the kernel does not run, a reference of its contract (`varlen_reference`) stands in, so the
   tests check the packing.
-All run on a CPU, and the tests check each (specserve/kv_bench.py measures them).
+All run on a CPU, and the tests check each (specserve/bench/kv.py measures them).
 """
 
 import threading
@@ -45,7 +45,7 @@ from dataclasses import dataclass
 import torch
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-from app.model import cpu_attention
+from app.model import cpu_attention, sessions
 from app.model.kv import BLOCK_SIZE, BlockPool, SequenceCache
 from app.model.syncs import upload
 from app.model.varlen import VarlenGroups
@@ -208,6 +208,7 @@ def flex_attention(query, key, value, **kwargs):
     global _flex_compiled
     from torch.nn.attention.flex_attention import flex_attention as flex
 
+    sessions.install(dynamo=True)  # its first call compiles, inside a forward (app/model/sessions.py)
     if query.device.type == "cuda":
         _flex_compiled = _flex_compiled or torch.compile(flex, dynamic=False)
         flex = _flex_compiled

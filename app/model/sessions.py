@@ -30,6 +30,7 @@ threads take turns and never deadlock.
 
 import contextlib
 import functools
+import sys
 import threading
 
 import torch
@@ -131,18 +132,22 @@ class _ExclusiveFirst:
         return False
 
 
-def install() -> bool:
-    """Make every compile session of the process, and dynamo's compile lock around it, take MODEL_CODE
-    alone first (torch.compiler._compile_session_context, which dynamo enters once per session;
-    torch._dynamo.convert_frame.compile_lock, a module global looked up at each use). Idempotent; False
-    where this torch has no such function (then it has no process-wide flag to keep apart either)."""
+def install(dynamo: bool = False) -> bool:
+    """Make every compile session of the process take MODEL_CODE alone first
+    (torch.compiler._compile_session_context, which dynamo enters once per session), and with `dynamo`
+    (or once dynamo is imported) its compile lock too (torch._dynamo.convert_frame.compile_lock, a module
+    global looked up at each use). At import the lock is left until code that compiles asks
+    (CompiledSteps, eager FlexAttention): importing dynamo costs seconds in processes that never load a
+    model. Idempotent; False where this torch has no such function (then it has no process-wide flag to
+    keep apart either)."""
     session = getattr(torch.compiler, "_compile_session_context", None)
     if session is None:
         return False
-    from torch._dynamo import convert_frame
+    if dynamo or "torch._dynamo.convert_frame" in sys.modules:
+        from torch._dynamo import convert_frame
 
-    if not isinstance(convert_frame.compile_lock, _ExclusiveFirst):
-        convert_frame.compile_lock = _ExclusiveFirst(convert_frame.compile_lock)
+        if not isinstance(convert_frame.compile_lock, _ExclusiveFirst):
+            convert_frame.compile_lock = _ExclusiveFirst(convert_frame.compile_lock)
     if getattr(session, "_specserve_exclusive", False):
         return True
 
