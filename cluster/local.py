@@ -15,6 +15,12 @@ from pathlib import Path
 import yaml
 
 CONFIG = Path(__file__).with_name("serve_config.yaml")
+
+
+def pair_config(pair: str) -> Path:
+    """The shipped Serve config for a built pair: its own (serve_config.<pair>.yaml) where it has one."""
+    own = CONFIG.with_name(f"serve_config.{pair}.yaml")
+    return own if own.exists() else CONFIG
 DRAFT_POOL, TARGET_POOL = "draft_pool", "target_pool"
 # Ray waits a fixed 30 s for a new node's raylet to register with the GCS; on a loaded machine one
 # slow GCS call can use all of it (seen once in three suite runs beside a CPU burner). Starting the

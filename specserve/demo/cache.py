@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import os
 import shutil
 import tempfile
@@ -35,3 +36,12 @@ def build_atomically(final: Path, build: Callable[[Path], None]) -> None:
         work.rename(final)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+def sha256(path: Path) -> str:
+    """The file's sha256, read a MiB at a time."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()

