@@ -336,3 +336,21 @@ def test_the_step_benchmark_times_each_graph_length_on_the_paged_path(tmp_path, 
     assert list(out) == ["1 row per sequence", "5 rows per sequence"]
     for row in out.values():
         assert list(row) == ["1 layers a graph", "2 layers a graph"] and all(v > 0 for v in row.values())
+
+
+def test_a_packed_runner_holds_no_tensor_of_the_checkpoints_file_mapping(tmp_path, tokenizer):
+    """Loaded from safetensors, a model's tensors are views of the file's mapping; once its linears are
+    packed, what is left (embedding, norms) is copied out, so the mapping, every page packing read, can go."""
+    from app.model.runner import load_model
+    from conftest import make_model
+
+    make_model(seed=5).save_pretrained(tmp_path)
+    tokenizer.save_pretrained(tmp_path)
+    model, tok = load_model(str(tmp_path), dtype="float32")
+    mapped = {name: p.data_ptr() for name, p in model.named_parameters()}
+    runner = ModelRunner(model, tok, Execution(pack=True))
+    assert runner.packed_linears > 0
+    left = dict(model.named_parameters())
+    assert left and all(p.data_ptr() != mapped[name] for name, p in left.items())
+    fresh = make_model(seed=5)
+    assert torch.equal(left["model.embed_tokens.weight"], fresh.model.embed_tokens.weight)
