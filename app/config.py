@@ -45,8 +45,8 @@ class ModelSettings(BaseModel):
         "on the forward thread).")
     attention: Literal["auto", "flex", "cpu_paged", "per_sequence", "varlen"] = Field(
         "auto", description="How attention reads the paged KV cache: flex = one FlexAttention call per layer "
-        "(opt-in: not yet proven on a GPU); cpu_paged = decode and verify rows in one call per layer of a C++ "
-        "kernel built on the machine (auto on a CPU with a compiler); varlen = torch's variable-length "
+        "(opt-in: not yet proven on a GPU); cpu_paged = every span (steps, verify rows, prompt chunks) in one "
+        "call per layer of a C++ kernel built on the machine, each row alone (auto on a CPU with a compiler); varlen = torch's variable-length "
         "FlashAttention, one call per layer for up to 65536 gathered context positions (auto on a GPU in float16 "
         "or bfloat16; a CPU runs a reference); per_sequence = one SDPA call per sequence (auto elsewhere).")
     max_model_len: int | None = Field(

@@ -12,7 +12,7 @@ ATOL = 1e-4
 
 @pytest.fixture(params=["ragged", "per_sequence", "padded", "flex", "varlen"])
 def target_runner(request, target_model, tokenizer):
-    """Every forward layout: packed rows (the default: on a CPU, short spans through the paged kernel),
+    """Every forward layout: packed rows (the default: on a CPU, every span through the paged kernel),
     packed rows with one SDPA call per sequence, packed rows with FlexAttention over the pool (a small
     pool here: the CPU runs FlexAttention's reference code), packed rows with sequences' contexts
     gathered for one varlen call per layer (a GPU's FlashAttention; here the reference of its

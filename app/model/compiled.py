@@ -204,9 +204,13 @@ class CompiledSteps:
         # raises the limit by its buckets (a test run builds dozens of runners in one process)
         dynamo.recompile_limit = max(dynamo.recompile_limit, 4 * len(self.buckets) + 8) + len(self.buckets)
         dynamo.accumulated_recompile_limit = max(dynamo.accumulated_recompile_limit, dynamo.recompile_limit)
-        if mode == "reduce-overhead":
-            import torch._inductor.config as inductor
+        import torch._inductor.config as inductor
 
+        # a fused chain of bfloat16 / float16 ops rounds where eager rounds (each op's output), not once at its
+        # end: a compiled step then gives eager's bits in every bucket, so a sequence's output does not depend
+        # on which graph, or whether a graph, ran its step (docs/architecture.md, "Batch invariance")
+        inductor.emulate_precision_casts = True
+        if mode == "reduce-overhead":
             inductor.graph_partition = True  # CUDA graphs around the attention op, which runs live
         # dynamic: one graph for every bucket past 1 (dynamo specialises a size of 1), the token count
         # symbolic; static: one graph per bucket. On the first GPU runs an 8-layer model took tens of

@@ -1,12 +1,15 @@
-"""Paged attention on a CPU: one call per layer for a ragged batch's short spans.
+"""Paged attention on a CPU: one call per layer for a ragged batch's spans.
 
 Decode steps and verify rows are a few query rows per sequence against hundreds or thousands of
 cached keys. torch's CPU attention (SDPA's flash kernel) is built for many rows: per sequence it
 costs about 9 us before it reads a key and then runs below the memory's speed (one row over 400
 keys, 4 heads x 64: 58 us, where reading those keys takes about 20). FlexAttention, nested tensors
-and a compiled gather measured slower still (docs/architecture.md, "CPU attention"). So a short
-span's attention is a small C++ kernel (app/model/kernels/paged_attention.cpp): every short span of the
-layer in one call, each row's keys and values read through its block table where they lie.
+and a compiled gather measured slower still (docs/architecture.md, "CPU attention"). So a span's
+attention is a small C++ kernel (app/model/kernels/paged_attention.cpp): every span of the layer in one
+call, each row's keys and values read through its block table where they lie. Prompt chunks take it too,
+though SDPA's blocked kernel computes long ones faster: SDPA's sums depend on the call's shape, so a
+prompt position's keys would differ in their last bits with its chunking, and a sequence's output with
+what was cached before it (docs/architecture.md, "Batch invariance").
 
 The kernel is compiled once per machine for its own instruction set (app/model/native.py), for pools
 of float32 or bfloat16 (widened as read, summed in float32, each output rounded once). No compiler
@@ -17,7 +20,7 @@ Math flags: -ffast-math vectorises the exponentials and the sums (glibc's vector
 given to the compile step alone (app/model/native.py says why).
 
 The op's CPU kernel is C++ too where it builds (app/model/kernels/attention_op.cpp, with torch's
-headers): for a forward `bind` tells it about (every span short, the pool's dtype), it calls the kernel
+headers): for a forward `bind` tells it about (its spans, the pool's dtype), it calls the kernel
 with no Python in between; for any other it calls the op's Python body (app/model/ragged.py `attend`).
 """
 
@@ -30,7 +33,6 @@ from app.model import native
 from app.model.kv import BLOCK_SIZE
 
 SOURCE = "paged_attention.cpp"  # in app/model/kernels/, built by app/model/native.py
-MAX_ROWS = 8  # spans up to this many new rows take the kernel; longer ones (prompts) torch's SDPA
 _FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp-simd", "-fPIC", "-std=c++17"]
 
 
@@ -104,7 +106,7 @@ def bind(spans: "Spans | None", pool) -> None:
 
 
 class Spans:
-    """A forward's short spans in the kernel's terms, built once per forward and read by every layer:
+    """A forward's spans in the kernel's terms, built once per forward and read by every layer:
     their rows, positions and block tables as int64 tensors."""
 
     def __init__(self, spans: list, every: bool = False):  # app.model.ragged.Span

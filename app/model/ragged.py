@@ -22,9 +22,11 @@ captured step (mode "reduce-overhead") replays the kernels around it and calls i
 Inside the op, attention takes one of three paths (`ModelRunner(attention=...)`):
 - "flex" (opt-in): one FlexAttention call per layer over the whole pool, with a block mask
   built once per forward from the block tables: no per-sequence calls, no dense mask, no gather.
-- "cpu_paged" (auto on a CPU that can build it): the short spans (decode steps, verify rows) in one
-  call per layer of a small C++ kernel reading each row's keys through its block table
-  (app/model/cpu_attention.py); longer spans (prompts) one SDPA call each over their blocks in place.
+- "cpu_paged" (auto on a CPU that can build it): every span (decode steps, verify rows, prompt chunks)
+  in one call per layer of a small C++ kernel reading each row's keys through its block table
+  (app/model/cpu_attention.py). Each row computes alone, in one order, so a position's keys, values and
+  logits are the same bits however its sequence was chunked, batched or borrowed from the prefix cache
+  (SDPA's blocking depends on the call's shape: docs/architecture.md, "Batch invariance").
 - "per_sequence": one SDPA call per sequence over its blocks in place.
 - "varlen" (auto on CUDA for float16 and bfloat16 models): torch's variable-length FlashAttention
   (`torch.nn.attention.varlen`), one call per layer for a group of sequences whose contexts are
@@ -98,12 +100,11 @@ class Layout:
         # the pool slots of the row's new positions: uploaded with the forward's other indices (Batch._run)
         self.slot_list = [slot for s in spans for slot in s.entry.slots(s.start, s.start + s.length)]
         self._slots = None
-        # the CPU kernel's spans (a few rows each: decode steps, verify rows), in one call per layer
-        short = [s for s in spans if s.length <= cpu_attention.MAX_ROWS] if attention == "cpu_paged" else []
-        self.paged = cpu_attention.Spans(short, every=len(short) == len(spans)) if short else None
+        # the CPU kernel computes every span (steps, verify rows, prompt chunks) in one call per layer: each row
+        # alone, so a position's bits do not depend on how its sequence was chunked or batched
+        self.paged = cpu_attention.Spans(spans, every=True) if attention == "cpu_paged" and spans else None
         # the spans torch's SDPA computes, one call each (the flex path reads the pool through its mask)
-        self.sdpa = ([] if self.flex or self.varlen else [s for s in spans if s.length > cpu_attention.MAX_ROWS]
-                     if short else spans)
+        self.sdpa = [] if self.flex or self.varlen or self.paged else spans
         for s in self.sdpa:
             s.runs = s.entry.runs(s.start + s.length)
         # the spans whose tables are in several runs: their slots gathered, the indices in the forward's

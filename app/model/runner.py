@@ -19,6 +19,7 @@ from app.model.cpu_linear import own_unpacked, pack_linears
 from app.model.eos import eos_ids
 from app.grammar import Grammars
 from app.model.kv import BLOCK_SIZE, KVStore, common_prefix
+from app.model.norms import opaque_norms
 from app.model.batches import Batch, RaggedBatch, SeqInput
 from app.model.ragged import Layout, active, register, shape_free_sdpa, supports_ragged
 from app.model.ragged import NAME as RAGGED
@@ -149,6 +150,9 @@ class ModelRunner:
                                if execution.pack and self.device.type == "cpu" else 0)
         if self.packed_linears:
             own_unpacked(model)  # the checkpoint's file mapping goes: no second copy of the packed weights
+        # a compiled step calls the norms as eager forwards compute them (app/model/norms.py): the same bits
+        # whichever ran a sequence's step
+        self.opaque_norms = opaque_norms(model) if compiling else 0
         # compiled steps over static token counts (app/model/compiled.py): ragged forwards of one device only
         self.steps = self._compiled(execution)
         # what a replica reports (warm(background=True) builds the steps while forwards run eagerly):

@@ -10,7 +10,7 @@ cached positions, in blocks of app.model.kv.BLOCK_SIZE, read four ways: a view o
 `[heads, slots, dim]` pool (what app/model/ragged.py does where a table is one run), the same pool
 gathered per sequence (a table in several runs), a `[blocks, heads, 16, dim]` pool gathered per
 sequence, one padded, masked SDPA call over the batch, and the paged CPU kernel (app/model/cpu_attention.py:
-one call for the batch, tables in one run or scattered; float32, up to its MAX_ROWS rows). fp32 and
+one call for the batch, tables in one run or scattered; any row count). fp32 and
 bf16.
 """
 
@@ -77,7 +77,7 @@ def layouts(sequences: int, rows: int, keys: int, heads: int, head_dim: int, dty
 
     out = {"view of one run": view, "gathered from [heads, slots, dim]": gather_slots,
            "gathered from [blocks, heads, 16, dim]": gather_blocks, "one padded masked call": padded}
-    if cpu_attention.usable(dtype, flat.device) and rows <= cpu_attention.MAX_ROWS:
+    if cpu_attention.usable(dtype, flat.device):
         # the paged kernel (app/model/cpu_attention.py): every sequence in one call, through its block table
         batch = torch.cat(queries, 2)
         result = torch.zeros(1, batch.shape[2], heads, head_dim)

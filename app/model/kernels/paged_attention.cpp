@@ -192,27 +192,12 @@ inline const float* as_float(const T* block, int64_t m, int64_t dim, Scratch& w)
   }
 }
 
-// One (span, key-value head): the rows of every query head that reads this head (GQA) together, so each
-// block of keys and values is read once, from memory, for all of them and then found in the cache.
-// Every row still computes alone, in one order: its scores over positions 0 .. its own in order, the
-// softmax, then its weighted values summed position by position in order. So a row's result depends
-// on its query and those positions alone: the same alone, in a span of several rows (a verify), with
-// other query heads or beside other spans.
+// Rows [first, first + rows) of a span, at positions start .. start + rows - 1, for key-value head g.
 template <typename T>
-void span_group(const Args<T>& a, int64_t i, int64_t g, Scratch& w) {
-  const int64_t first = a.spans[4 * i], rows = a.spans[4 * i + 1], start = a.spans[4 * i + 2];
-  const int64_t* table = a.tables + a.spans[4 * i + 3];
-  const int64_t dim = a.dim, full = dim / 8 * 8, end = start + rows, group = a.heads_q / a.heads_kv;
+void tile_group(const Args<T>& a, const T* keys, const T* values, const int64_t* table, int64_t first,
+                int64_t rows, int64_t start, int64_t g, int64_t group, Scratch& w) {
+  const int64_t dim = a.dim, full = dim / 8 * 8, end = start + rows;
   const int64_t n = group * rows;  // query vectors: head h0 + qi / rows, row qi % rows
-  T* keys = a.k + g * a.slots * dim;
-  T* values = a.v + g * a.slots * dim;
-  if (a.new_k)  // this head's new keys and values of the span's rows, into their slots
-    for (int64_t r = 0; r < rows; ++r) {
-      const int64_t pos = start + r, slot = table[pos / a.block] * a.block + pos % a.block;
-      const int64_t from = g * a.new_head + (first + r) * a.new_row;
-      std::memcpy(keys + slot * dim, a.new_k + from, dim * sizeof(T));
-      std::memcpy(values + slot * dim, a.new_v + from, dim * sizeof(T));
-    }
   w.queries.resize(static_cast<size_t>(n * dim));
   w.scores.resize(static_cast<size_t>(n * end));
   w.sums.assign(static_cast<size_t>(n * dim), 0.f);
@@ -256,6 +241,36 @@ void span_group(const Args<T>& a, int64_t i, int64_t g, Scratch& w) {
     T* o = a.out + ((first + qi % rows) * a.heads_q + g * group + qi / rows) * dim;
     for (int64_t x = 0; x < dim; ++x) store(acc[qi * dim + x], o + x);
   }
+}
+
+
+// Rows a pass of span_group takes: a long span (a prompt's chunk) in passes of this many, so that its
+// scores take n * end floats for a tile's rows, not every row's (a 2048-row chunk of a 12-head model
+// over 4096 positions would hold 400 MB). Which pass a row is in changes nothing it computes.
+constexpr int64_t ROW_TILE = 32;
+
+// One (span, key-value head): the rows of every query head that reads this head (GQA) together, so each
+// block of keys and values is read once, from memory, for all of them and then found in the cache.
+// Every row still computes alone, in one order: its scores over positions 0 .. its own in order, the
+// softmax, then its weighted values summed position by position in order. So a row's result depends
+// on its query and those positions alone: the same alone, in a span of several rows (a verify), with
+// other query heads, beside other spans, or in a prompt's chunk of any length.
+template <typename T>
+void span_group(const Args<T>& a, int64_t i, int64_t g, Scratch& w) {
+  const int64_t first = a.spans[4 * i], rows = a.spans[4 * i + 1], start = a.spans[4 * i + 2];
+  const int64_t* table = a.tables + a.spans[4 * i + 3];
+  const int64_t dim = a.dim, group = a.heads_q / a.heads_kv;
+  T* keys = a.k + g * a.slots * dim;
+  T* values = a.v + g * a.slots * dim;
+  if (a.new_k)  // this head's new keys and values of the span's rows, into their slots
+    for (int64_t r = 0; r < rows; ++r) {
+      const int64_t pos = start + r, slot = table[pos / a.block] * a.block + pos % a.block;
+      const int64_t from = g * a.new_head + (first + r) * a.new_row;
+      std::memcpy(keys + slot * dim, a.new_k + from, dim * sizeof(T));
+      std::memcpy(values + slot * dim, a.new_v + from, dim * sizeof(T));
+    }
+  for (int64_t r0 = 0; r0 < rows; r0 += ROW_TILE)
+    tile_group(a, keys, values, table, first + r0, std::min(ROW_TILE, rows - r0), start + r0, g, group, w);
 }
 
 template <typename T>
