@@ -182,3 +182,35 @@ def test_bfloat16_greedy_speculation_equals_plain_decoding_alone_and_four_at_a_t
         together = [r.token_ids for r in engine.generate(prompts, params(num_tokens=k))]
         assert alone == off and together == off
     assert [r.token_ids for r in engine.generate(prompts, params(enabled=False))] == off
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+def test_each_models_norm_is_put_behind_the_op_only_where_it_gives_the_modules_bits(dtype):
+    """Llama's form (weight times the rounded normalised row) and Gemma's (1 + weight, rounded last) are
+    replaced by `rms_norm`, which gives each module's own output to the bit; a norm of another form stays."""
+    from torch import nn
+    from transformers.models.gemma.modeling_gemma import GemmaRMSNorm
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    from app.model.norms import OpaqueRMSNorm, opaque_norms
+
+    class OtherRMSNorm(nn.Module):  # eps outside the root: not a form the op knows
+        def __init__(self, n):
+            super().__init__()
+            self.weight, self.eps = nn.Parameter(torch.ones(n)), 0.5
+
+        def forward(self, x):
+            return self.weight * (x / (x.float().pow(2).mean(-1, keepdim=True).sqrt() + self.eps)).to(x.dtype)
+
+    gen = torch.Generator().manual_seed(0)
+    norms = nn.ModuleList([LlamaRMSNorm(96, eps=1e-5), GemmaRMSNorm(96), OtherRMSNorm(96)]).to(dtype)
+    with torch.no_grad():
+        for m in norms:
+            m.weight.copy_(torch.randn(96, generator=gen))
+    x = (torch.randn(7, 96, generator=gen) * torch.logspace(-2, 3, 96)).to(dtype)
+    want = [m(x) for m in norms]
+    assert opaque_norms(norms) == 2
+    assert [type(m) for m in norms] == [OpaqueRMSNorm, OpaqueRMSNorm, OtherRMSNorm]
+    assert [norms[0].offset, norms[1].offset] == [False, True]
+    for m, w in zip(norms, want):
+        assert torch.equal(m(x), w)

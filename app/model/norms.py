@@ -61,7 +61,7 @@ def _probe(module: nn.Module) -> OpaqueRMSNorm | None:
     with a wide range (activations in the thousands, as real models' are), for one of the two forms."""
     weight = getattr(module, "weight", None)
     eps = getattr(module, "variance_epsilon", getattr(module, "eps", None))
-    if not isinstance(weight, nn.Parameter) or weight.dim() != 1 or not isinstance(eps, float):
+    if not isinstance(weight, nn.Parameter) or weight.dim() != 1 or not isinstance(eps, float) or weight.is_meta:
         return None
     gen = torch.Generator().manual_seed(0)
     dtype = weight.dtype if weight.dtype.is_floating_point else torch.float32

@@ -150,9 +150,9 @@ class ModelRunner:
                                if execution.pack and self.device.type == "cpu" else 0)
         if self.packed_linears:
             own_unpacked(model)  # the checkpoint's file mapping goes: no second copy of the packed weights
-        # a compiled step calls the norms as eager forwards compute them (app/model/norms.py): the same bits
-        # whichever ran a sequence's step
-        self.opaque_norms = opaque_norms(model) if compiling else 0
+        # a compiled CPU step calls the norms as eager forwards compute them (app/model/norms.py): the same bits
+        # whichever ran a sequence's step (a GPU's forwards are not batch-invariant: its kernels go by shape)
+        self.opaque_norms = opaque_norms(model) if compiling and self.device.type == "cpu" else 0
         # compiled steps over static token counts (app/model/compiled.py): ragged forwards of one device only
         self.steps = self._compiled(execution)
         # what a replica reports (warm(background=True) builds the steps while forwards run eagerly):
