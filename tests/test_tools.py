@@ -281,6 +281,42 @@ def test_a_marker_that_is_a_special_token_is_forced_as_that_token_and_kept_in_th
     assert plain.token_ids == results[0].token_ids and parser.start not in plain.text
 
 
+def test_a_marker_that_is_an_added_token_but_not_special_is_forced_as_that_token(tokenizer_with_added_markers):
+    """Qwen2.5's `<tool_call>` is an added token that is not special. Before, the grammar spelled it as
+    text: llguidance let the model's marker token through the mask, then failed on it, and a required
+    call on the real Coder pair came out as `<tool_call>` sixty times over."""
+    tok, target, draft = tokenizer_with_added_markers
+    specials = special_markers(tok, PARSERS["hermes"])
+    assert set(specials) == {"<tool_call>", "</tool_call>"} and not any(
+        tok.added_tokens_decoder[i].special for i in specials.values())
+    parser = PARSERS["hermes"](specials=specials)
+    fmt = {"type": "grammar", "grammar": parser.grammar([WEATHER], parallel=False)}
+    params = dict(temperature=0, max_tokens=80, response_format=fmt, speculation={"num_tokens": 4},
+                  keep_special_token_ids=sorted(specials.values()))
+    grammar = grammar_of(parse_sampling(params).response_format)
+    engine = Engine(ModelRunner(target, tok), ModelRunner(draft, tok))
+    results = engine.generate(["call a tool:", "x"], params)
+    for r in results:
+        want = constrained_reference(target, tok, r.prompt_token_ids, grammar, 80)
+        assert r.token_ids == [t for t in want if t != tok.eos_token_id][: len(r.token_ids)]
+        assert r.token_ids[0] == specials["<tool_call>"] and r.token_ids.count(specials["<tool_call>"]) == 1
+        if r.finish_reason == "stop":
+            _, calls = parser.parse(r.text)
+            assert [c.name for c in calls] == ["get_weather"]
+    assert any(r.finish_reason == "stop" for r in results)
+
+
+@pytest.fixture(scope="module")
+def tokenizer_with_added_markers():
+    """The byte-level pair with Hermes' markers as added tokens that are not special (Qwen2.5's kind)."""
+    import copy
+
+    tok = copy.deepcopy(make_byte_tokenizer())
+    tok.add_tokens(["<tool_call>", "</tool_call>"])
+    target = make_model(seed=4, vocab_rows=len(tok))
+    return tok, target, blend(target, 7, 0.8)
+
+
 def test_kept_specials_change_nothing_else_in_the_text(marker_pair):
     """Decoding with markers kept is decoding with special tokens skipped, but for the kept ones;
     skip_special_tokens false shows them all."""

@@ -20,9 +20,9 @@ parser's grammar (llguidance Lark with each tool's parameters as an embedded JSO
 target and the draft alike, like any structured output, so the output stays exact under speculation
 (app/grammar.py). With `auto` the model decides and the parser reads what it wrote.
 
-A format's markers are special tokens in some tokenizers (Mistral's `[TOOL_CALLS]`, Hermes 2 Pro's
-`<tool_call>`): decoding would leave them out of the text and a grammar's literal would spell them
-in ordinary tokens. So a request offering tools keeps them in its text (SamplingParams'
+A format's markers are added tokens in some tokenizers (Mistral's `[TOOL_CALLS]`, Hermes 2 Pro's and
+Qwen2.5's `<tool_call>`, special or not): decoding would leave special ones out of the text, and a
+grammar's literal would spell them in ordinary tokens. So a request offering tools keeps them in its text (SamplingParams'
 keep_special_token_ids) and the grammar names the token itself (`<[id]>`): `special_markers`.
 """
 
@@ -211,10 +211,14 @@ PARSERS: dict[str, type[Parser]] = {"hermes": Hermes, "llama3_json": Llama3Json,
 
 
 def special_markers(tokenizer, parser: type[Parser]) -> dict[str, int]:
-    """The format's markers this tokenizer holds as special tokens, with their ids."""
-    added = getattr(tokenizer, "added_tokens_decoder", {})
-    specials = {t.content: i for i, t in added.items() if getattr(t, "special", False)}
-    return {m: specials[m] for m in parser.markers if m in specials}
+    """The format's markers this tokenizer holds as added tokens (special or not), with their ids.
+
+    Not only special ones: llguidance reads every added token as a special one, whose text no grammar
+    literal matches. Qwen2.5's `<tool_call>` is added but not special; spelled as a literal, the model's
+    own marker token passed the mask and then failed the parser, and a required call came out as the
+    marker over and over."""
+    added = {t.content: i for i, t in getattr(tokenizer, "added_tokens_decoder", {}).items()}
+    return {m: added[m] for m in parser.markers if m in added}
 
 
 def enforced_tools(tools: list[Tool], choice: ToolChoice | None) -> list[Tool] | None:
