@@ -68,6 +68,9 @@ class _Tracked:
     grammar: str
     matcher: "llguidance.LLMatcher"  # noqa: F821 (imported where first used)
     consumed: list[int] = field(default_factory=list)  # the output tokens the matcher has taken
+    # the matcher refused an output token its own mask had allowed, before its grammar's end (llguidance's
+    # mask and parser disagree, e.g. on an added token a literal spells as text): the output ends there
+    refused: bool = False
 
 
 class Grammars:
@@ -113,6 +116,8 @@ class Grammars:
         tracked = self._sync(seq_id, grammar, output)
         matcher = tracked.matcher
         bitmask = llguidance.torch.allocate_token_bitmask(rows, self.vocab_size)
+        if tracked.refused:  # nothing allowed: apply() leaves eos alone, and the output ends
+            return bitmask.zero_()
         consumed = 0
         for j in range(rows):
             if consumed < j:  # the token before this row was refused: this row is never read
@@ -164,6 +169,9 @@ class Grammars:
             # fewer when the output went on past the grammar's end (under ignore_eos): the matcher stays
             # stopped there, allowing eos alone, whatever follows
             tracked.consumed += rest[:taken]
+        # a refusal anywhere but past the grammar's end means the mask let through what the parser cannot
+        # take: masked again from the same state, the same token would pass again, for ever
+        tracked.refused = len(tracked.consumed) < len(output) and not tracked.matcher.is_stopped()
         with self._lock:
             self._matchers[seq_id] = tracked
             self._matchers.move_to_end(seq_id)

@@ -137,6 +137,27 @@ def test_masks_follow_a_proposal_and_roll_back(byte_tokenizer):
     assert torch.equal(grammars.masks("s", grammar, ids[:2], ids[2:], len(ids) - 1), along[2:])
 
 
+def test_a_token_the_mask_allowed_and_the_matcher_refused_ends_the_output():
+    """llguidance's mask and its parser can disagree: an added token that a grammar's literal spells as
+    text passes the mask, then the matcher refuses it and stays where it was. Before, the mask from there
+    let the same token through again, and a required tool call on the Qwen2.5-Coder pair came out as
+    `<tool_call>` sixty times over; now only eos is allowed after such a token."""
+    import copy
+
+    tok = copy.deepcopy(make_byte_tokenizer())
+    tok.add_tokens(["<tool_call>"])  # added, not special: Qwen2.5's kind
+    marker, vocab = tok.convert_tokens_to_ids("<tool_call>"), len(tok)
+    grammars = Grammars(tok, vocab)
+    grammar = llguidance.LLMatcher.grammar_from_lark('start: "<tool_call>" "\\n" "x"')
+    logits = torch.zeros(1, vocab)
+    first = grammars.apply(logits, "s", grammar, [])
+    assert first[0, marker] == 0  # the mask lets the marker through (llguidance's own disagreement)
+    after = grammars.apply(logits, "s", grammar, [marker])
+    assert torch.isfinite(after[0]).nonzero().flatten().tolist() == [tok.eos_token_id]
+    # the same sequence rolled back before the refused token is masked as at its start again
+    assert torch.equal(grammars.apply(logits, "s", grammar, []), first)
+
+
 def test_bad_formats_and_tokenizers_are_refused_by_name(byte_tokenizer, byte_target, tokenizer, target_model):
     engine = Engine(ModelRunner(byte_target, byte_tokenizer))
     for bad in ({"type": "xml"}, {"type": "json_schema", "json_schema": {"name": "x"}},
