@@ -251,31 +251,40 @@ def marker_pair():
     return tok, target, blend(target, 7, 0.8)
 
 
-@pytest.mark.parametrize("family", ["mistral", "hermes"])
-def test_a_marker_that_is_a_special_token_is_forced_as_that_token_and_kept_in_the_text(family, marker_pair):
-    """Before, the grammar spelled `[TOOL_CALLS]` in ordinary tokens (the model's own marker token
-    was refused) and the decoded text left special tokens out, so the parser never saw a call."""
-    tok, target, draft = marker_pair
-    specials = special_markers(tok, PARSERS[family])
-    assert set(specials) == set(PARSERS[family].markers) and all(i >= 300 for i in specials.values())
-    parser = PARSERS[family](specials=specials)
+def forced_calls(pair, family: str):
+    """Greedy calls under `family`'s required-call grammar with its markers as the tokenizer holds them
+    (`special_markers`): each output the target's own constrained greedy output, its first token the
+    start marker's id, and a finished one a get_weather call. Returns (engine, params, parser, results)."""
+    tok, target, draft = pair
+    parser = PARSERS[family](specials=special_markers(tok, PARSERS[family]))
     fmt = {"type": "grammar", "grammar": parser.grammar([WEATHER], parallel=False)}
     assert "<[" in fmt["grammar"] and json.dumps(PARSERS[family].start) not in fmt["grammar"]
     params = dict(temperature=0, max_tokens=80, response_format=fmt, speculation={"num_tokens": 4},
-                  keep_special_token_ids=sorted(specials.values()))
+                  keep_special_token_ids=sorted(parser.specials.values()))
     grammar = grammar_of(parse_sampling(params).response_format)
     engine = Engine(ModelRunner(target, tok), ModelRunner(draft, tok))
     results = engine.generate(["call a tool:", "x"], params)
     for r in results:
         want = constrained_reference(target, tok, r.prompt_token_ids, grammar, 80)
         assert r.token_ids == [t for t in want if t != tok.eos_token_id][: len(r.token_ids)]
-        assert r.token_ids[0] == specials[parser.start]  # the marker is the special token itself
+        assert r.token_ids[0] == parser.specials[parser.start]  # the marker is the token itself
         assert r.text.startswith(parser.start) and r.speculation["drafted_tokens"] > 0
         if r.finish_reason == "stop":
             _, calls = parser.parse(r.text)
             assert [c.name for c in calls] == ["get_weather"]
             jsonschema.validate(json.loads(calls[0].arguments), WEATHER.function.parameters)
     assert any(r.finish_reason == "stop" for r in results)
+    return engine, params, parser, results
+
+
+@pytest.mark.parametrize("family", ["mistral", "hermes"])
+def test_a_marker_that_is_a_special_token_is_forced_as_that_token_and_kept_in_the_text(family, marker_pair):
+    """Before, the grammar spelled `[TOOL_CALLS]` in ordinary tokens (the model's own marker token
+    was refused) and the decoded text left special tokens out, so the parser never saw a call."""
+    tok = marker_pair[0]
+    specials = special_markers(tok, PARSERS[family])
+    assert set(specials) == set(PARSERS[family].markers) and all(i >= 300 for i in specials.values())
+    engine, params, parser, results = forced_calls(marker_pair, family)
     # the same tokens decoded as requests without tools decode them: the markers left out
     plain = engine.generate(["call a tool:"], {**params, "keep_special_token_ids": []})[0]
     assert plain.token_ids == results[0].token_ids and parser.start not in plain.text
@@ -285,25 +294,12 @@ def test_a_marker_that_is_an_added_token_but_not_special_is_forced_as_that_token
     """Qwen2.5's `<tool_call>` is an added token that is not special. Before, the grammar spelled it as
     text: llguidance let the model's marker token through the mask, then failed on it, and a required
     call on the real Coder pair came out as `<tool_call>` sixty times over."""
-    tok, target, draft = tokenizer_with_added_markers
+    tok = tokenizer_with_added_markers[0]
     specials = special_markers(tok, PARSERS["hermes"])
-    assert set(specials) == {"<tool_call>", "</tool_call>"} and not any(
-        tok.added_tokens_decoder[i].special for i in specials.values())
-    parser = PARSERS["hermes"](specials=specials)
-    fmt = {"type": "grammar", "grammar": parser.grammar([WEATHER], parallel=False)}
-    params = dict(temperature=0, max_tokens=80, response_format=fmt, speculation={"num_tokens": 4},
-                  keep_special_token_ids=sorted(specials.values()))
-    grammar = grammar_of(parse_sampling(params).response_format)
-    engine = Engine(ModelRunner(target, tok), ModelRunner(draft, tok))
-    results = engine.generate(["call a tool:", "x"], params)
-    for r in results:
-        want = constrained_reference(target, tok, r.prompt_token_ids, grammar, 80)
-        assert r.token_ids == [t for t in want if t != tok.eos_token_id][: len(r.token_ids)]
-        assert r.token_ids[0] == specials["<tool_call>"] and r.token_ids.count(specials["<tool_call>"]) == 1
-        if r.finish_reason == "stop":
-            _, calls = parser.parse(r.text)
-            assert [c.name for c in calls] == ["get_weather"]
-    assert any(r.finish_reason == "stop" for r in results)
+    assert set(specials) == {"<tool_call>", "</tool_call>"}
+    assert not any(tok.added_tokens_decoder[i].special for i in specials.values())
+    _, _, parser, results = forced_calls(tokenizer_with_added_markers, "hermes")
+    assert all(r.token_ids.count(specials["<tool_call>"]) == 1 for r in results)
 
 
 @pytest.fixture(scope="module")

@@ -119,7 +119,7 @@ class Parser:
 
     def __init__(self, max_calls: int | None = None, specials: dict[str, int] | None = None):
         self.max_calls = max_calls  # 1 for a request with parallel_tool_calls false: the first call only
-        self.specials = specials or {}  # the markers this tokenizer holds as one special token each: their ids
+        self.specials = specials or {}  # the markers this tokenizer holds as one added token each: their ids
 
     def literal(self, marker: str) -> str:
         """A marker in a Lark grammar: the special token by its id where the tokenizer has one, else its text."""
