@@ -117,3 +117,28 @@ def test_constraint_bench_reports_each_constraint(tmp_path, capsys):
     assert list(report) == ["none", "json_object", "regex", "tool call (mistral, forced)"]
     for row in report.values():  # figures only: what they are is the pair's business
         assert 0.0 <= row["acceptance"] <= 1.0 and row["tokens"] > 0
+
+
+def test_the_identity_check_counts_every_answer_and_says_where_one_parts():
+    """specserve.bench.identity against a stand-in server whose speculative answer to one prompt, sent
+    four at a time, parts from its plain one at character 3: 16 of 17 identical, that one named."""
+    from specserve.bench import identity
+
+    sent = []
+
+    def post(path, body):
+        sent.append((path, body["speculation"]))
+        spec = body["speculation"] != {"enabled": False}
+        if path == "/v1/chat/completions":
+            return {"choices": [{"message": {"content": "a generator yields"}}]}
+        text = "def x(): pass" if body["prompt"] != identity.PROMPTS[2] else "abcdef"
+        if spec and body["prompt"] == identity.PROMPTS[2] and len(sent) > 2 * len(identity.PROMPTS):
+            text = "abcXef"  # the four-at-a-time pass
+        return {"choices": [{"text": text}], "speculation": {"rounds": 3} if spec else None}
+
+    lines = []
+    assert identity.compare(post, "m", 8, 4, say=lines.append) == (16, 17)
+    assert [line for line in lines if "parts at" in line] == [lines[len(identity.PROMPTS) + 2]]
+    assert "parts at 3" in lines[len(identity.PROMPTS) + 2]
+    assert {spec["num_tokens"] for _, spec in sent if "num_tokens" in spec} == {4}
+    assert sum(spec == {"enabled": False} for _, spec in sent) == len(identity.PROMPTS) + 1
