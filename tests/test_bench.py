@@ -142,3 +142,17 @@ def test_the_identity_check_counts_every_answer_and_says_where_one_parts():
     assert "parts at 3" in lines[len(identity.PROMPTS) + 2]
     assert {spec["num_tokens"] for _, spec in sent if "num_tokens" in spec} == {4}
     assert sum(spec == {"enabled": False} for _, spec in sent) == len(identity.PROMPTS) + 1
+
+
+def test_the_steps_bench_reports_each_shape_eagerly(model_dirs, capsys):
+    """specserve.bench.steps on the tiny target with compile off: the eager row only, every shape a
+    positive median, and the same figures as JSON on the last line."""
+    from specserve.bench import steps
+
+    assert steps.main(["--target", model_dirs["target"], "--dtype", "float32", "--compile", "off", "--reps", "3",
+                       "--context", "20"]) == 0
+    report = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert list(report) == ["eager"] and set(report["eager"]) == set(steps.SHAPES)
+    assert all(ms > 0 for ms in report["eager"].values())
+    with pytest.raises(SystemExit):
+        steps.main(["--target", model_dirs["target"], "--reps", "1"])

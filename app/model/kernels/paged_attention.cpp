@@ -243,7 +243,6 @@ void tile_group(const Args<T>& a, const T* keys, const T* values, const int64_t*
   }
 }
 
-
 // Rows a pass of span_group takes: a long span (a prompt's chunk) in passes of this many, so that its
 // scores take n * end floats for a tile's rows, not every row's (a 2048-row chunk of a 12-head model
 // over 4096 positions would hold 400 MB). Which pass a row is in changes nothing it computes.
