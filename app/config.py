@@ -65,6 +65,9 @@ class ModelSettings(BaseModel):
         "processes, 2 target threads measured slower than 1).")
 
 
+DraftPacking = Literal["model", "bfloat16", "int8"]  # a draft's packed weights (a target's: no int8)
+
+
 class DraftSettings(ModelSettings):
     """How the draft loads: a model's settings, and what only a draft may change."""
 
@@ -72,6 +75,12 @@ class DraftSettings(ModelSettings):
         None, ge=1, description="The draft proposes from its n most frequent tokens alone (the ranking beside its "
         "weights, token_ranking.json): its head computes n rows instead of the vocabulary's (app/speculation/draft_vocab.py). "
         "Exact: the target verifies every token. None (or a draft without a ranking): the whole head.")
+    packed_weights: DraftPacking = Field(
+        "model", description="CPU: the dtype of the packed linears' weights (app/model/cpu_linear.py). bfloat16 "
+        "halves a float32 draft's bytes a step; int8 (each output's weights in 255 steps of a scale of its own) "
+        "halves a bfloat16 draft's, its activations staying in the model's dtype: the draft's step streams "
+        "half as much and its proposals may change a little, never the output (the target verifies every "
+        "token). int8 is a draft's alone: a target's weights are the model.")
 
 
 class SpeculationSettings(BaseModel):

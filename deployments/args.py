@@ -5,7 +5,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from app.config import DraftSettings, ModelSettings, SpeculationSettings
+from app.config import DraftPacking, DraftSettings, ModelSettings, SpeculationSettings
 
 
 class ModelConfig(ModelSettings):
@@ -29,6 +29,10 @@ class ModelConfig(ModelSettings):
 
 class DraftConfig(ModelConfig, DraftSettings):
     """The draft model: where it comes from, and its settings."""
+
+    # pydantic merges its bases' fields in reverse order: ModelConfig's packed_weights (the target's choices)
+    # would shadow DraftSettings' own
+    packed_weights: DraftPacking = DraftSettings.model_fields["packed_weights"]
 
 
 class TargetConfig(ModelConfig):

@@ -69,6 +69,42 @@ def test_the_ops_cpp_kernel_gives_its_python_bodys_bits(x_dtype, w_dtype, pairs,
                            want.view(torch.int16 if x_dtype != torch.float32 else torch.int32))
 
 
+def _int8_reference(weight: torch.Tensor) -> torch.Tensor:
+    """The weights int8 packing computes with: each output's weights in 255 steps of its largest / 127."""
+    scale = (weight.float().abs().amax(dim=1, keepdim=True) / 127).clamp_min(1e-30)
+    return torch.round(weight.float() / scale).clamp(-127, 127) * scale
+
+
+@pytest.mark.parametrize("out_features, in_features, rows", [(1, 3, 1), (70, 33, 5), (200, 64, 7), (130, 17, 13)])
+def test_int8_weights_give_the_product_of_their_steps(out_features, in_features, rows):
+    """packed_weights int8: y = x (q * scale)^T + bias, q the int8 steps, summed in float32; a quarter of
+    float32's bytes (the group's scales after its weights)."""
+    weight, bias = _weights(out_features, in_features)
+    weight[0] = 0  # an all-zero output keeps a usable scale
+    packed = cpu_linear.pack(weight, int8=True)
+    assert packed.dtype == torch.int8 and packed.shape[1] == in_features + cpu_linear.SCALE_ROWS
+    x = torch.randn(2, rows, in_features)
+    got = cpu_linear.linear(x, packed, bias, out_features)
+    assert got.dtype == torch.float32 and not got[..., 0].sub(bias[0]).any()
+    torch.testing.assert_close(got, nn.functional.linear(x, _int8_reference(weight), bias), rtol=1e-5, atol=1e-4)
+    # a bfloat16 draft's rows: bfloat16 results, its rows widened exactly
+    got = cpu_linear.linear(x.to(torch.bfloat16), packed, None, out_features)
+    want = nn.functional.linear(x.to(torch.bfloat16).float(), _int8_reference(weight)).to(torch.bfloat16)
+    assert got.dtype == torch.bfloat16
+    torch.testing.assert_close(got.float(), want.float(), rtol=1e-2, atol=1e-2)
+
+
+@pytest.mark.parametrize("x_dtype", [torch.float32, torch.bfloat16])
+def test_int8_rows_are_the_same_bits_alone_as_in_any_call_and_in_the_python_body(x_dtype):
+    weight, bias = _weights(150, 47)
+    packed = cpu_linear.pack(weight, int8=True)
+    x = torch.randn(11, 47).to(x_dtype)
+    every = cpu_linear.linear(x, packed, bias, 150)
+    assert torch.equal(every, cpu_linear._linear(x, packed, bias, 150))
+    for r in (0, 6, 10):
+        assert torch.equal(cpu_linear.linear(x[r: r + 1], packed, bias, 150)[0], every[r])
+
+
 @pytest.mark.parametrize("pairs", [False, True])
 def test_bfloat16_results_are_written_as_torch_rounds_the_float32_sums(pairs):
     """A bfloat16 model's linear gets bfloat16 from the kernel, rounded as it writes them: the same bits
@@ -299,6 +335,36 @@ def test_a_draft_on_bfloat16_packed_weights_proposes_and_the_output_stays_the_ta
     draft = ModelRunner(copy.deepcopy(target_model), tokenizer, Execution(pack=True, packed_dtype=torch.bfloat16))
     packed = [m for m in draft.model.modules() if isinstance(m, cpu_linear.PackedLinear)]
     assert packed and all(m.packed.dtype == torch.bfloat16 for m in packed)
+    engine = Engine(ModelRunner(target_model, tokenizer), draft)
+    params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, speculation={"num_tokens": 4})
+    result = engine.generate(["def fib(n):"], params)[0]
+    ids = result.prompt_token_ids
+    with torch.inference_mode():
+        want = target_model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                                     do_sample=False, max_new_tokens=20, min_new_tokens=20, eos_token_id=None,
+                                     pad_token_id=0)[0, len(ids):].tolist()
+    assert result.token_ids == want
+    assert result.speculation["drafted_tokens"] > 0 and result.speculation["accepted_tokens"] > 0
+
+
+def test_a_draft_on_int8_packed_weights_proposes_and_the_output_stays_the_targets(target_model, tokenizer):
+    """packed_weights: int8 (a draft's alone) quarters a float32 draft's bytes; its proposals may change, the
+    output stays the target's, token for token."""
+    from app.config import DraftSettings, ModelSettings
+    from app.engine import Engine
+    from app.params import SamplingParams
+
+    from deployments.args import AppConfig
+
+    assert DraftSettings(packed_weights="int8").packed_weights == "int8"
+    assert AppConfig.model_validate({"draft": {"packed_weights": "int8"}}).draft.packed_weights == "int8"
+    for refused in (lambda: ModelSettings(packed_weights="int8"),  # a target's weights are the model
+                    lambda: AppConfig.model_validate({"target": {"packed_weights": "int8"}})):
+        with pytest.raises(ValueError):
+            refused()
+    draft = ModelRunner(copy.deepcopy(target_model), tokenizer, Execution(pack=True, packed_dtype=torch.int8))
+    packed = [m for m in draft.model.modules() if isinstance(m, cpu_linear.PackedLinear)]
+    assert packed and all(m.packed.dtype == torch.int8 for m in packed)
     engine = Engine(ModelRunner(target_model, tokenizer), draft)
     params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, speculation={"num_tokens": 4})
     result = engine.generate(["def fib(n):"], params)[0]

@@ -92,6 +92,10 @@ def as_part_wheels(gguf_path: Path, package: str, parts: int, wheels: Path) -> S
     return source
 
 
+def RANKING_TEXTS() -> list[str]:  # what the tiny draft's token ranking counts (the build's default: the stdlib)
+    return ["the the the", "!!"]
+
+
 @pytest.fixture(scope="module")
 def built(tmp_path_factory):
     """The small pair built from part wheels as `specserve demo-models --pair qwen2.5-coder` builds it."""
@@ -103,7 +107,7 @@ def built(tmp_path_factory):
                as_part_wheels(root / "draft.gguf", "tiny-draft-part", 2, wheels))
     fetched = []
     dirs = qwen.qwen_pair(str(root / "cache"), progress=False, sources=sources,
-                          fetcher=lambda s, into: fetched.append([x.package for x in s]))
+                          fetcher=lambda s, into: fetched.append([x.package for x in s]), ranking_texts=RANKING_TEXTS)
     return {"root": root, "dirs": dirs, "sources": sources, "models": (target, draft), "fetched": fetched}
 
 
@@ -125,6 +129,27 @@ def test_the_pair_is_two_whole_directories_with_provenance(built):
     # one tokenizer for both
     t, d = (AutoTokenizer.from_pretrained(x) for x in built["dirs"])
     assert t.get_vocab() == d.get_vocab() and t.chat_template == d.chat_template == TEMPLATES["qwen2.5"]
+
+
+def test_the_draft_ranks_its_tokens_by_the_texts_counts_then_the_vocabularys_order(built, monkeypatch):
+    """The draft's token_ranking.json (its proposal head keeps the first proposal_vocab of it): the tokens the
+    texts use most, then by id; every id once; a pair built before rankings gains one on its next use."""
+    draft = Path(built["dirs"][1])
+    record = json.loads((draft / "token_ranking.json").read_text())
+    tokenizer = AutoTokenizer.from_pretrained(str(draft))
+    ids = tokenizer.convert_tokens_to_ids
+    twice, once = sorted([ids("Ġthe"), ids("!")]), sorted([ids("t"), ids("he")])  # "the the the", "!!"
+    assert record["ranking"][:4] == twice + once and sorted(record["ranking"]) == list(range(len(tokenizer)))
+    assert record["ranking"][4:] == sorted(set(range(len(tokenizer))) - {*twice, *once}) and "texts given" in record["how"]
+    (draft / "token_ranking.json").unlink()
+    qwen.qwen_pair(str(built["root"] / "cache"), progress=False, sources=built["sources"],
+                   fetcher=lambda s, into: None, ranking_texts=RANKING_TEXTS)
+    assert json.loads((draft / "token_ranking.json").read_text())["ranking"] == record["ranking"]
+
+
+def test_standard_library_code_is_there_to_count():
+    texts = qwen.standard_library_code()
+    assert len(texts) > 100 and any("def " in t for t in texts)
 
 
 def test_a_second_run_finds_the_pair_and_builds_nothing(built):

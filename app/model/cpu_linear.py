@@ -46,10 +46,11 @@ def _kernel() -> ctypes.CDLL | None:
     lib = native.load(SOURCE, _FLAGS)
     if lib is not None and lib.specserve_gemm_f32.restype is not None:
         i64, ptr = ctypes.c_int64, ctypes.c_void_p
-        for fn in (lib.specserve_gemm_f32, lib.specserve_gemm_bf16, lib.specserve_gemm_pairs):
+        for fn in (lib.specserve_gemm_f32, lib.specserve_gemm_bf16, lib.specserve_gemm_pairs, lib.specserve_gemm_q8):
             fn.argtypes = [ptr, i64, i64, ptr, i64, ptr, ptr, i64, i64]  # ..., y, threads, y is bfloat16
             fn.restype = None
-        for fn in (lib.specserve_gemm_pack_f32, lib.specserve_gemm_pack_bf16, lib.specserve_gemm_pack_pairs):
+        for fn in (lib.specserve_gemm_pack_f32, lib.specserve_gemm_pack_bf16, lib.specserve_gemm_pack_pairs,
+                   lib.specserve_gemm_pack_q8):
             fn.argtypes = [ptr, i64, i64, ptr]
             fn.restype = None
         lib.specserve_gemm_group_width.restype = i64
@@ -68,7 +69,7 @@ def kernel_available() -> bool:
     lib = _kernel()
     if lib is not None and not _FUNCTIONS:
         _FUNCTIONS.update({torch.float32: lib.specserve_gemm_f32, torch.bfloat16: lib.specserve_gemm_bf16,
-                           torch.int32: lib.specserve_gemm_pairs})
+                           torch.int32: lib.specserve_gemm_pairs, torch.int8: lib.specserve_gemm_q8})
     if lib is not None and "impl" not in _op:
         _register()
     return lib is not None
@@ -104,14 +105,21 @@ def onednn_available() -> bool:
     return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
 
 
-def pack(weight: torch.Tensor, pairs: bool = False) -> torch.Tensor:
+SCALE_ROWS = 4  # an int8 group's k-rows after its weights: its columns' float32 scales (small_gemm.cpp)
+
+
+def pack(weight: torch.Tensor, pairs: bool = False, int8: bool = False) -> torch.Tensor:
     """`weight` ([out, in], float32 or bfloat16) in the kernel's layout: [groups, in, group width];
     `pairs` (bfloat16 weights, pairs_available()): [groups, in / 2 rounded up, group width] int32, each
-    two bfloat16 values along the input, for bfloat16 rows."""
+    two bfloat16 values along the input, for bfloat16 rows; `int8`: [groups, in + SCALE_ROWS, group width]
+    int8, each output's weights rounded to int8 steps of its own scale (its largest magnitude / 127), the
+    group's scales after them as float32 bytes."""
     kernel_available()  # loads the kernel and names its functions, which `linear` then calls
     lib = _kernel()
     weight = weight.detach().contiguous()
     width, (n, k) = lib.specserve_gemm_group_width(), weight.shape
+    if int8:
+        return _pack_int8(lib, weight.float(), width)
     if pairs:
         out = torch.empty(-(-n // width), (k + 1) // 2, width, dtype=torch.int32)
         lib.specserve_gemm_pack_pairs(weight.to(torch.bfloat16).data_ptr(), n, k, out.data_ptr())
@@ -119,6 +127,22 @@ def pack(weight: torch.Tensor, pairs: bool = False) -> torch.Tensor:
     out = torch.empty(-(-n // width), k, width, dtype=weight.dtype)
     fn = lib.specserve_gemm_pack_f32 if weight.dtype == torch.float32 else lib.specserve_gemm_pack_bf16
     fn(weight.data_ptr(), n, k, out.data_ptr())
+    return out
+
+
+def _pack_int8(lib, weight: torch.Tensor, width: int) -> torch.Tensor:
+    n, k = weight.shape
+    groups = -(-n // width)
+    scale = weight.abs().amax(dim=1) / 127
+    scale = torch.where(scale > 0, scale, torch.ones_like(scale))  # an all-zero output: any scale
+    q = torch.round(weight / scale[:, None]).clamp_(-127, 127).to(torch.int8).contiguous()
+    weights = torch.empty(groups, k, width, dtype=torch.int8)
+    lib.specserve_gemm_pack_q8(q.data_ptr(), n, k, weights.data_ptr())
+    scales = torch.zeros(groups * width, dtype=torch.float32)  # past n: the zero columns' scales
+    scales[:n] = scale
+    out = torch.empty(groups, k + SCALE_ROWS, width, dtype=torch.int8)
+    out[:, :k] = weights
+    out[:, k:] = scales.view(torch.int8).view(groups, SCALE_ROWS, width)
     return out
 
 
@@ -139,6 +163,8 @@ def _linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, ou
             rows = torch.nn.functional.pad(rows, (0, 1))
     else:
         rows = x if wide and x.is_contiguous() else x.to(torch.float32).contiguous()
+        if packed.dtype == torch.int8:  # zeros against the scale rows
+            rows = torch.nn.functional.pad(rows, (0, SCALE_ROWS))
     count = rows.numel() // rows.shape[-1]
     real = min(count, getattr(_local, "rows", None) or count)
     # a compiled step's padding rows (past `real`) come out zero, uncomputed
@@ -191,14 +217,15 @@ class PackedLinear(nn.Module):
         self.kernel = kernel
         if weight is None:
             weight, bias = layer.weight.detach(), None if layer.bias is None else layer.bias.detach()
+        int8 = kernel and dtype == torch.int8  # a draft's weights in int8 steps (`packed_weights: int8`)
         # a bfloat16 model (its rows bfloat16 too) on a CPU with AVX512-BF16: the pair path
-        pairs = kernel and weight.dtype == torch.bfloat16 and pairs_available()
-        if kernel and dtype is not None:  # the kernel reads bfloat16 weights against float32 rows
+        pairs = kernel and not int8 and weight.dtype == torch.bfloat16 and pairs_available()
+        if kernel and dtype is not None and not int8:  # the kernel reads bfloat16 weights against float32 rows
             weight = weight.to(dtype)
         # oneDNN's batch-size hint only picks the blocked layout; any row count runs on it, but the layout
         # oneDNN picks for 1 row is slow for every row count (demo target, 1 core: 1 row 5.6 ms vs 4.3,
         # 5 rows 8.9 vs 4.7); from 4 up the hints measure alike
-        packed = pack(weight, pairs) if kernel else torch.ops.mkldnn._reorder_linear_weight(weight, PACK_ROWS)
+        packed = pack(weight, pairs, int8) if kernel else torch.ops.mkldnn._reorder_linear_weight(weight, PACK_ROWS)
         self.register_buffer("packed", packed, persistent=False)
         self.register_buffer("bias", bias, persistent=False)
 
@@ -282,7 +309,9 @@ def pack_linears(model: nn.Module, compiled: bool = False, dtype: torch.dtype | 
     Inference only (the packed weights take no gradients). Leaves the model alone where no packed
     kernel fits: the weights live on another device, or (`compiled`: the forward is a compiled graph)
     only oneDNN's op is at hand, which inductor cannot lower. `dtype` (bfloat16): the small-row
-    kernel's weights in it, rounded once, half the bytes a step streams (`packed_weights`).
+    kernel's weights in it, rounded once, half the bytes a step streams (`packed_weights`); int8: each
+    output's weights in int8 steps of its own scale, a quarter of float32's bytes (a draft's alone: it
+    changes the model's outputs).
     """
     kernel = kernel_available()
     if not kernel and (compiled or not onednn_available()):

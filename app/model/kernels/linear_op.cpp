@@ -29,6 +29,7 @@ at::Tensor linear_op(const at::Tensor& x, const at::Tensor& packed, const std::o
     if (rows.size(-1) % 2) rows = at::constant_pad_nd(rows, {0, 1}, 0);  // the weights' input padded to even
   } else {
     rows = wide && x.is_contiguous() ? x : x.to(at::kFloat).contiguous();
+    if (packed.scalar_type() == at::kChar) rows = at::constant_pad_nd(rows, {0, SCALE_ROWS}, 0);  // the scale rows
   }
   const int64_t count = rows.numel() / rows.size(-1);
   const int64_t real = std::min(count, real_rows > 0 ? real_rows : count);
@@ -48,6 +49,10 @@ at::Tensor linear_op(const at::Tensor& x, const at::Tensor& packed, const std::o
       linear_to(static_cast<const uint32_t*>(rows.const_data_ptr()), real, k,
                 static_cast<const uint32_t*>(packed.const_data_ptr()), out_features, bp, out, threads, to_bf16);
 #endif
+      break;
+    case at::kChar:
+      linear_to(rows.const_data_ptr<float>(), real, k, static_cast<const int8_t*>(packed.const_data_ptr()),
+                out_features, bp, out, threads, to_bf16);
       break;
     case at::kBFloat16:
       linear_to(rows.const_data_ptr<float>(), real, k, static_cast<const uint16_t*>(packed.const_data_ptr()),

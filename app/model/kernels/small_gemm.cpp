@@ -23,8 +23,15 @@
 // vdpbf16ps, which adds two products of a pair to the sum at once: twice the products of an FMA per
 // instruction, where tens of rows make the step bound by arithmetic. Its chain (the pairs in order)
 // is the same for every row count, as above; its rounding is the instruction's, not an FMA chain's.
+//
+// int8 weights (a draft's, `packed_weights: int8`): each output column's weights as int8 times a float32
+// scale of its own, packed[g][k][c] for k < K and the group's GW scales in the four k-rows after them
+// (packed[g][K .. K + 4) as float32 bytes). The rows carry four zeros there, so those k-rows add nothing,
+// and each sum is multiplied by its column's scale as it is stored. A weight widens to float32 exactly;
+// the chain is the float32 one above. Half a bfloat16 weight's bytes: a draft's step streams half as much.
 #include <algorithm>
 #include <cstdint>
+#include <type_traits>
 #if defined(__AVX512BF16__)
 #include <immintrin.h>
 #endif
@@ -70,6 +77,18 @@ inline vf load(const uint16_t* p) {  // bfloat16 -> float32: the 16 bits are the
   vu wide = __builtin_convertvector(*reinterpret_cast<const vhu*>(p), vu) << 16;
   return reinterpret_cast<vf&>(wide);
 }
+inline vf load(const int8_t* p) {  // int8 -> float32, exact (sign-extended, then converted)
+#if defined(__AVX512F__)
+  return reinterpret_cast<vf>(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)))));
+#elif defined(__AVX2__)
+  return reinterpret_cast<vf>(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)))));
+#else
+  typedef int8_t vcu __attribute__((vector_size(LANES), aligned(1)));
+  return __builtin_convertvector(*reinterpret_cast<const vcu*>(p), vf);
+#endif
+}
+constexpr int SCALE_ROWS = 4;  // an int8 group's k-rows holding its columns' float32 scales
+
 // one row's operand for a step: a float32 input, multiplied into every lane
 inline float splat(float v) { return v; }
 inline void mac(vf& acc, float s, vf w) { acc += s * w; }  // contracted to one FMA (-ffp-contract=fast)
@@ -126,9 +145,13 @@ void tile(const X* x, int64_t ldx, const W* packed, const float* bias, Y* y, int
   }
   for (int h = 0; h < G; ++h) {
     const int64_t col = (g + h) * GW, width = std::min<int64_t>(GW, n - col);
+    float scale[GW];
+    if constexpr (std::is_same_v<W, int8_t>) std::memcpy(scale, w + (h * k_dim + k_dim - SCALE_ROWS) * GW, sizeof(scale));
     for (int r = 0; r < R; ++r) {
       float row[GW];
       std::memcpy(row, acc[r][h], sizeof(row));
+      if constexpr (std::is_same_v<W, int8_t>)
+        for (int64_t c = 0; c < width; ++c) row[c] *= scale[c];
       if (bias)
         for (int64_t c = 0; c < width; ++c) row[c] += bias[col + c];
       store(y + r * n + col, row, width);
@@ -236,9 +259,16 @@ int64_t specserve_gemm_group_width() { return GW; }
 
 void specserve_gemm_pack_f32(const float* w, int64_t n, int64_t k, float* out) { pack(w, n, k, out); }
 void specserve_gemm_pack_bf16(const uint16_t* w, int64_t n, int64_t k, uint16_t* out) { pack(w, n, k, out); }
+// int8 weights [N, K] packed as the others; the caller writes each group's scale rows after its K k-rows
+void specserve_gemm_pack_q8(const int8_t* w, int64_t n, int64_t k, int8_t* out) { pack(w, n, k, out); }
 
 void specserve_gemm_f32(const float* x, int64_t m, int64_t k, const float* packed, int64_t n, const float* bias,
                         void* y, int64_t threads, int64_t y_bf16) {
+  linear_to(x, m, k, packed, n, bias, y, threads, y_bf16);
+}
+// k: the packed k-rows, the scale rows included (the rows x hold as many, zero past K)
+void specserve_gemm_q8(const float* x, int64_t m, int64_t k, const int8_t* packed, int64_t n, const float* bias,
+                       void* y, int64_t threads, int64_t y_bf16) {
   linear_to(x, m, k, packed, n, bias, y, threads, y_bf16);
 }
 void specserve_gemm_bf16(const float* x, int64_t m, int64_t k, const uint16_t* packed, int64_t n, const float* bias,
