@@ -327,14 +327,17 @@ def test_without_a_compiler_eager_linears_take_onednn_and_compiled_ones_stay(mon
     assert all(not m.kernel for m in model.modules() if isinstance(m, cpu_linear.PackedLinear))
 
 
-def test_a_draft_on_bfloat16_packed_weights_proposes_and_the_output_stays_the_targets(target_model, tokenizer):
-    """packed_weights: bfloat16 halves what a draft step streams; the target still decides every token."""
+@pytest.mark.parametrize("packed_dtype", [torch.bfloat16, torch.int8])
+def test_a_draft_on_smaller_packed_weights_proposes_and_the_output_stays_the_targets(target_model, tokenizer,
+                                                                                     packed_dtype):
+    """packed_weights: bfloat16 halves what a float32 draft step streams, int8 quarters it; its proposals may
+    change, the target still decides every token."""
     from app.engine import Engine
     from app.params import SamplingParams
 
-    draft = ModelRunner(copy.deepcopy(target_model), tokenizer, Execution(pack=True, packed_dtype=torch.bfloat16))
+    draft = ModelRunner(copy.deepcopy(target_model), tokenizer, Execution(pack=True, packed_dtype=packed_dtype))
     packed = [m for m in draft.model.modules() if isinstance(m, cpu_linear.PackedLinear)]
-    assert packed and all(m.packed.dtype == torch.bfloat16 for m in packed)
+    assert packed and all(m.packed.dtype == packed_dtype for m in packed)
     engine = Engine(ModelRunner(target_model, tokenizer), draft)
     params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, speculation={"num_tokens": 4})
     result = engine.generate(["def fib(n):"], params)[0]
@@ -347,34 +350,17 @@ def test_a_draft_on_bfloat16_packed_weights_proposes_and_the_output_stays_the_ta
     assert result.speculation["drafted_tokens"] > 0 and result.speculation["accepted_tokens"] > 0
 
 
-def test_a_draft_on_int8_packed_weights_proposes_and_the_output_stays_the_targets(target_model, tokenizer):
-    """packed_weights: int8 (a draft's alone) quarters a float32 draft's bytes; its proposals may change, the
-    output stays the target's, token for token."""
+def test_int8_weights_are_a_drafts_setting_alone():
+    """A target's weights are the model: its settings and the Serve config refuse int8; a draft's take it."""
     from app.config import DraftSettings, ModelSettings
-    from app.engine import Engine
-    from app.params import SamplingParams
-
     from deployments.args import AppConfig
 
     assert DraftSettings(packed_weights="int8").packed_weights == "int8"
     assert AppConfig.model_validate({"draft": {"packed_weights": "int8"}}).draft.packed_weights == "int8"
-    for refused in (lambda: ModelSettings(packed_weights="int8"),  # a target's weights are the model
+    for refused in (lambda: ModelSettings(packed_weights="int8"),
                     lambda: AppConfig.model_validate({"target": {"packed_weights": "int8"}})):
         with pytest.raises(ValueError):
             refused()
-    draft = ModelRunner(copy.deepcopy(target_model), tokenizer, Execution(pack=True, packed_dtype=torch.int8))
-    packed = [m for m in draft.model.modules() if isinstance(m, cpu_linear.PackedLinear)]
-    assert packed and all(m.packed.dtype == torch.int8 for m in packed)
-    engine = Engine(ModelRunner(target_model, tokenizer), draft)
-    params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, speculation={"num_tokens": 4})
-    result = engine.generate(["def fib(n):"], params)[0]
-    ids = result.prompt_token_ids
-    with torch.inference_mode():
-        want = target_model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
-                                     do_sample=False, max_new_tokens=20, min_new_tokens=20, eos_token_id=None,
-                                     pad_token_id=0)[0, len(ids):].tolist()
-    assert result.token_ids == want
-    assert result.speculation["drafted_tokens"] > 0 and result.speculation["accepted_tokens"] > 0
 
 
 def test_the_linears_benchmark_times_every_linear_of_a_model_both_ways(tmp_path):
