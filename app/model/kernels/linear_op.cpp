@@ -27,9 +27,14 @@ at::Tensor linear_op(const at::Tensor& x, const at::Tensor& packed, const std::o
   if (packed.scalar_type() == at::kInt) {  // pairs: a bfloat16 model's rows are bfloat16 already
     rows = x.scalar_type() == at::kBFloat16 && x.is_contiguous() ? x : x.to(at::kBFloat16).contiguous();
     if (rows.size(-1) % 2) rows = at::constant_pad_nd(rows, {0, 1}, 0);  // the weights' input padded to even
+  } else if (packed.scalar_type() == at::kChar) {  // int8: float32 rows with zeros against the scale rows,
+    auto shape = x.sizes().vec();                    // widened and padded in one copy
+    shape.back() += SCALE_ROWS;
+    rows = at::empty(shape, x.options().dtype(at::kFloat));
+    rows.narrow(-1, x.size(-1), SCALE_ROWS).zero_();
+    rows.narrow(-1, 0, x.size(-1)).copy_(x);
   } else {
     rows = wide && x.is_contiguous() ? x : x.to(at::kFloat).contiguous();
-    if (packed.scalar_type() == at::kChar) rows = at::constant_pad_nd(rows, {0, SCALE_ROWS}, 0);  // the scale rows
   }
   const int64_t count = rows.numel() / rows.size(-1);
   const int64_t real = std::min(count, real_rows > 0 ? real_rows : count);
