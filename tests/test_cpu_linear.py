@@ -43,6 +43,8 @@ CASES = [  # rows' dtype, weights' dtype, pairs, input size (odd: the pairs' pad
     (torch.float32, torch.float32, False, 40, True), (torch.float32, torch.bfloat16, False, 33, False),
     (torch.bfloat16, torch.bfloat16, False, 40, True), (torch.bfloat16, torch.bfloat16, True, 33, True),
     (torch.bfloat16, torch.bfloat16, True, 40, False), (torch.float16, torch.float32, False, 40, True),
+    (torch.float32, torch.int8, False, 33, True), (torch.bfloat16, torch.int8, True, 33, True),
+    (torch.float32, torch.int8, True, 40, False),  # int8: a draft's `packed_weights: int8`
 ]
 
 
@@ -53,8 +55,9 @@ def test_the_ops_cpp_kernel_gives_its_python_bodys_bits(x_dtype, w_dtype, pairs,
     assert cpu_linear.implementation() == "C++"  # it builds wherever the kernel does (same compiler)
     if pairs and not cpu_linear.pairs_available():
         pytest.skip("this CPU has no AVX512-BF16")
-    weight, bias = _weights(150, in_features, w_dtype)
-    packed = cpu_linear.pack(weight, pairs=pairs)
+    int8 = w_dtype == torch.int8
+    weight, bias = _weights(150, in_features, torch.bfloat16 if int8 and pairs else torch.float32 if int8 else w_dtype)
+    packed = cpu_linear.pack(weight, pairs=pairs, int8=int8)
     bias = bias.to(x_dtype) if with_bias else None
     x = torch.randn(in_features, 2, 11).to(x_dtype).transpose(0, 2)  # [11, 2, in], not contiguous
     for real in (None, 3):
@@ -92,17 +95,40 @@ def test_int8_weights_give_the_product_of_their_steps(out_features, in_features,
     want = nn.functional.linear(x.to(torch.bfloat16).float(), _int8_reference(weight)).to(torch.bfloat16)
     assert got.dtype == torch.bfloat16
     torch.testing.assert_close(got.float(), want.float(), rtol=1e-2, atol=1e-2)
+    if cpu_linear.pairs_available():  # a bfloat16 draft's int8 weights in pairs: the same steps, vdpbf16ps
+        packed = cpu_linear.pack(weight.to(torch.bfloat16), pairs=True, int8=True)
+        width = cpu_linear._kernel().specserve_gemm_group_width()
+        assert packed.shape == (-(-out_features // width), (in_features + 1) // 2 + cpu_linear.SCALE_PAIRS, width, 2)
+        got = cpu_linear.linear(x.to(torch.bfloat16), packed, bias.to(torch.bfloat16), out_features)
+        want = nn.functional.linear(x.to(torch.bfloat16).float(), _int8_reference(weight.to(torch.bfloat16)), bias)
+        assert got.dtype == torch.bfloat16 and not got[..., 0].float().sub(bias[0]).abs().gt(0.02).any()
+        torch.testing.assert_close(got.float(), want.to(torch.bfloat16).float(), rtol=1e-2, atol=1e-2)
 
 
-@pytest.mark.parametrize("x_dtype", [torch.float32, torch.bfloat16])
-def test_int8_rows_are_the_same_bits_alone_as_in_any_call_and_in_the_python_body(x_dtype):
-    weight, bias = _weights(150, 47)
-    packed = cpu_linear.pack(weight, int8=True)
-    x = torch.randn(11, 47).to(x_dtype)
-    every = cpu_linear.linear(x, packed, bias, 150)
-    assert torch.equal(every, cpu_linear._linear(x, packed, bias, 150))
-    for r in (0, 6, 10):
-        assert torch.equal(cpu_linear.linear(x[r: r + 1], packed, bias, 150)[0], every[r])
+@pytest.mark.parametrize("x_dtype, pairs", [(torch.float32, False), (torch.bfloat16, False), (torch.bfloat16, True)])
+def test_int8_rows_are_the_same_bits_alone_as_in_any_call_and_in_the_python_body(x_dtype, pairs):
+    """Pairs: one row widens its int8 pairs in registers, more rows than a tile from a widened buffer; a row's
+    bits are the same either way, in every thread split (the matrix is large enough for the kernel to split
+    23 rows' work between two threads)."""
+    if pairs and not cpu_linear.pairs_available():
+        pytest.skip("this CPU has no AVX512-BF16")
+    out_features, in_features = 2100, 1023
+    weight, bias = _weights(out_features, in_features, torch.bfloat16 if pairs else torch.float32)
+    packed = cpu_linear.pack(weight, pairs=pairs, int8=True)
+    assert packed.dim() == (4 if pairs else 3)
+    x = torch.randn(23, in_features).to(x_dtype)
+    every = cpu_linear.linear(x, packed, bias, out_features)
+    assert torch.equal(every, cpu_linear._linear(x, packed, bias, out_features))
+    threads = torch.get_num_threads()
+    try:
+        for n in (1, 2):
+            torch.set_num_threads(n)
+            for rows in (1, 5, 7, 8, 23):
+                for i in range(0, 23, rows):
+                    part = cpu_linear.linear(x[i: i + rows], packed, bias, out_features)
+                    assert torch.equal(part, every[i: i + rows]), (n, rows, i)
+    finally:
+        torch.set_num_threads(threads)
 
 
 @pytest.mark.parametrize("pairs", [False, True])

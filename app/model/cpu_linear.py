@@ -46,11 +46,12 @@ def _kernel() -> ctypes.CDLL | None:
     lib = native.load(SOURCE, _FLAGS)
     if lib is not None and lib.specserve_gemm_f32.restype is not None:
         i64, ptr = ctypes.c_int64, ctypes.c_void_p
-        for fn in (lib.specserve_gemm_f32, lib.specserve_gemm_bf16, lib.specserve_gemm_pairs, lib.specserve_gemm_q8):
+        for fn in (lib.specserve_gemm_f32, lib.specserve_gemm_bf16, lib.specserve_gemm_pairs, lib.specserve_gemm_q8,
+                   lib.specserve_gemm_q8_pairs):
             fn.argtypes = [ptr, i64, i64, ptr, i64, ptr, ptr, i64, i64]  # ..., y, threads, y is bfloat16
             fn.restype = None
         for fn in (lib.specserve_gemm_pack_f32, lib.specserve_gemm_pack_bf16, lib.specserve_gemm_pack_pairs,
-                   lib.specserve_gemm_pack_q8):
+                   lib.specserve_gemm_pack_q8, lib.specserve_gemm_pack_q8_pairs):
             fn.argtypes = [ptr, i64, i64, ptr]
             fn.restype = None
         lib.specserve_gemm_group_width.restype = i64
@@ -59,6 +60,7 @@ def _kernel() -> ctypes.CDLL | None:
 
 
 _FUNCTIONS: dict[torch.dtype, object] = {}  # packed weights' dtype -> the kernel's function (int32: pairs)
+_Q8_PAIRS: dict[str, object] = {}  # "fn": the kernel's function for int8 weights in pairs (4-D int8 packing)
 OP_SOURCE = "linear_op.cpp"  # the op's CPU kernel in C++ (its Python body, `_linear`, where it cannot build)
 _registered = threading.Lock()
 _op: dict[str, object] = {}  # "impl": "C++" or "Python" once registered; "rows": the C++ real-rows setter
@@ -70,6 +72,7 @@ def kernel_available() -> bool:
     if lib is not None and not _FUNCTIONS:
         _FUNCTIONS.update({torch.float32: lib.specserve_gemm_f32, torch.bfloat16: lib.specserve_gemm_bf16,
                            torch.int32: lib.specserve_gemm_pairs, torch.int8: lib.specserve_gemm_q8})
+        _Q8_PAIRS["fn"] = lib.specserve_gemm_q8_pairs
     if lib is not None and "impl" not in _op:
         _register()
     return lib is not None
@@ -106,6 +109,7 @@ def onednn_available() -> bool:
 
 
 SCALE_ROWS = 4  # an int8 group's k-rows after its weights: its columns' float32 scales (small_gemm.cpp)
+SCALE_PAIRS = 2  # the same bytes in int8 pairs: two pair rows
 
 
 def pack(weight: torch.Tensor, pairs: bool = False, int8: bool = False) -> torch.Tensor:
@@ -113,13 +117,15 @@ def pack(weight: torch.Tensor, pairs: bool = False, int8: bool = False) -> torch
     `pairs` (bfloat16 weights, pairs_available()): [groups, in / 2 rounded up, group width] int32, each
     two bfloat16 values along the input, for bfloat16 rows; `int8`: [groups, in + SCALE_ROWS, group width]
     int8, each output's weights rounded to int8 steps of its own scale (its largest magnitude / 127), the
-    group's scales after them as float32 bytes."""
+    group's scales after them as float32 bytes; `int8` and `pairs`: the same steps in pairs along the input,
+    for bfloat16 rows, [groups, in / 2 rounded up + SCALE_PAIRS, group width, 2] (each 16 columns of a pair
+    row: their even inputs' bytes, then their odd ones'; small_gemm.cpp)."""
     kernel_available()  # loads the kernel and names its functions, which `linear` then calls
     lib = _kernel()
     weight = weight.detach().contiguous()
     width, (n, k) = lib.specserve_gemm_group_width(), weight.shape
     if int8:
-        return _pack_int8(lib, weight.float(), width)
+        return _pack_int8(lib, weight.float(), width, pairs)
     if pairs:
         out = torch.empty(-(-n // width), (k + 1) // 2, width, dtype=torch.int32)
         lib.specserve_gemm_pack_pairs(weight.to(torch.bfloat16).data_ptr(), n, k, out.data_ptr())
@@ -130,16 +136,24 @@ def pack(weight: torch.Tensor, pairs: bool = False, int8: bool = False) -> torch
     return out
 
 
-def _pack_int8(lib, weight: torch.Tensor, width: int) -> torch.Tensor:
+def _pack_int8(lib, weight: torch.Tensor, width: int, pairs: bool) -> torch.Tensor:
     n, k = weight.shape
     groups = -(-n // width)
     scale = weight.abs().amax(dim=1) / 127
     scale = torch.where(scale > 0, scale, torch.ones_like(scale))  # an all-zero output: any scale
     q = torch.round(weight / scale[:, None]).clamp_(-127, 127).to(torch.int8).contiguous()
-    weights = torch.empty(groups, k, width, dtype=torch.int8)
-    lib.specserve_gemm_pack_q8(q.data_ptr(), n, k, weights.data_ptr())
     scales = torch.zeros(groups * width, dtype=torch.float32)  # past n: the zero columns' scales
     scales[:n] = scale
+    if pairs:
+        steps = (k + 1) // 2
+        weights = torch.empty(groups, steps, width, 2, dtype=torch.int8)
+        lib.specserve_gemm_pack_q8_pairs(q.data_ptr(), n, k, weights.data_ptr())
+        out = torch.empty(groups, steps + SCALE_PAIRS, width, 2, dtype=torch.int8)
+        out[:, :steps] = weights
+        out[:, steps:] = scales.view(torch.int8).view(groups, SCALE_PAIRS, width, 2)
+        return out
+    weights = torch.empty(groups, k, width, dtype=torch.int8)
+    lib.specserve_gemm_pack_q8(q.data_ptr(), n, k, weights.data_ptr())
     out = torch.empty(groups, k + SCALE_ROWS, width, dtype=torch.int8)
     out[:, :k] = weights
     out[:, k:] = scales.view(torch.int8).view(groups, SCALE_ROWS, width)
@@ -157,7 +171,11 @@ def _linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, ou
     sums in float32 (bfloat16 inputs and weights widen exactly; pairs: bfloat16 rows against pairs of
     weights) and the result is rounded once, by the kernel as it writes it (to x's dtype)."""
     wide = x.dtype == torch.float32  # the common case, with no conversion: a step makes 121 of these calls
-    if packed.dtype == torch.int32:  # pairs: a bfloat16 model's rows are bfloat16 already
+    fn = _FUNCTIONS[packed.dtype]
+    if packed.dim() == 4:  # int8 pairs: bfloat16 rows, zeros against the padding and the scales
+        rows = torch.nn.functional.pad(x.to(torch.bfloat16), (0, 2 * packed.shape[1] - x.shape[-1]))
+        fn = _Q8_PAIRS["fn"]
+    elif packed.dtype == torch.int32:  # pairs: a bfloat16 model's rows are bfloat16 already
         rows = x if x.dtype == torch.bfloat16 and x.is_contiguous() else x.to(torch.bfloat16).contiguous()
         if rows.shape[-1] % 2:  # the weights' input dimension is padded to even with zero
             rows = torch.nn.functional.pad(rows, (0, 1))
@@ -171,7 +189,6 @@ def _linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, ou
     out = torch.float32 if wide else torch.bfloat16 if x.dtype == torch.bfloat16 else None
     y = (torch.empty if real == count else torch.zeros)(*x.shape[:-1], out_features, dtype=out or torch.float32)
     b = None if bias is None else bias.to(torch.float32).contiguous()
-    fn = _FUNCTIONS[packed.dtype]
     fn(rows.data_ptr(), real, packed.shape[1], packed.data_ptr(), out_features,
        None if b is None else b.data_ptr(), y.data_ptr(), torch.get_num_threads(), out == torch.bfloat16)
     return y if out else y.to(x.dtype)  # float16 rows: the kernel writes float32
@@ -218,8 +235,8 @@ class PackedLinear(nn.Module):
         if weight is None:
             weight, bias = layer.weight.detach(), None if layer.bias is None else layer.bias.detach()
         int8 = kernel and dtype == torch.int8  # a draft's weights in int8 steps (`packed_weights: int8`)
-        # a bfloat16 model (its rows bfloat16 too) on a CPU with AVX512-BF16: the pair path
-        pairs = kernel and not int8 and weight.dtype == torch.bfloat16 and pairs_available()
+        # a bfloat16 model (its rows bfloat16 too) on a CPU with AVX512-BF16: the pair path (int8 ones too)
+        pairs = kernel and weight.dtype == torch.bfloat16 and pairs_available()
         if kernel and dtype is not None and not int8:  # the kernel reads bfloat16 weights against float32 rows
             weight = weight.to(dtype)
         # oneDNN's batch-size hint only picks the blocked layout; any row count runs on it, but the layout

@@ -27,6 +27,9 @@ at::Tensor linear_op(const at::Tensor& x, const at::Tensor& packed, const std::o
   if (packed.scalar_type() == at::kInt) {  // pairs: a bfloat16 model's rows are bfloat16 already
     rows = x.scalar_type() == at::kBFloat16 && x.is_contiguous() ? x : x.to(at::kBFloat16).contiguous();
     if (rows.size(-1) % 2) rows = at::constant_pad_nd(rows, {0, 1}, 0);  // the weights' input padded to even
+  } else if (packed.scalar_type() == at::kChar && packed.dim() == 4) {  // int8 pairs: bfloat16 rows, zeros
+    rows = x.scalar_type() == at::kBFloat16 ? x : x.to(at::kBFloat16);  // against the padding and the scales
+    rows = at::constant_pad_nd(rows, {0, 2 * packed.size(1) - x.size(-1)}, 0);
   } else if (packed.scalar_type() == at::kChar) {  // int8: float32 rows with zeros against the scale rows,
     auto shape = x.sizes().vec();                    // widened and padded in one copy
     shape.back() += SCALE_ROWS;
@@ -56,6 +59,13 @@ at::Tensor linear_op(const at::Tensor& x, const at::Tensor& packed, const std::o
 #endif
       break;
     case at::kChar:
+      if (packed.dim() == 4) {
+#if defined(__AVX512BF16__)
+        linear_to(static_cast<const uint32_t*>(rows.const_data_ptr()), real, k,
+                  reinterpret_cast<const q8pair*>(packed.const_data_ptr()), out_features, bp, out, threads, to_bf16);
+#endif
+        break;
+      }
       linear_to(rows.const_data_ptr<float>(), real, k, static_cast<const int8_t*>(packed.const_data_ptr()),
                 out_features, bp, out, threads, to_bf16);
       break;
