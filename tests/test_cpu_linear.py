@@ -107,9 +107,9 @@ def test_int8_weights_give_the_product_of_their_steps(out_features, in_features,
 
 @pytest.mark.parametrize("x_dtype, pairs", [(torch.float32, False), (torch.bfloat16, False), (torch.bfloat16, True)])
 def test_int8_rows_are_the_same_bits_alone_as_in_any_call_and_in_the_python_body(x_dtype, pairs):
-    """Pairs: one row widens its int8 pairs in registers, more rows than a tile from a widened buffer; a row's
-    bits are the same either way, in every thread split (the matrix is large enough for the kernel to split
-    23 rows' work between two threads)."""
+    """Pairs: every row tile widens its int8 pairs to the same bfloat16 pairs; a row's bits are the same in
+    every row count and thread split (the matrix is large enough for the kernel to split 23 rows' work
+    between two threads)."""
     if pairs and not cpu_linear.pairs_available():
         pytest.skip("this CPU has no AVX512-BF16")
     out_features, in_features = 2100, 1023
@@ -119,12 +119,17 @@ def test_int8_rows_are_the_same_bits_alone_as_in_any_call_and_in_the_python_body
     x = torch.randn(23, in_features).to(x_dtype)
     every = cpu_linear.linear(x, packed, bias, out_features)
     assert torch.equal(every, cpu_linear._linear(x, packed, bias, out_features))
+    _assert_each_row_alone(x, packed, bias, out_features, every, (1, 5, 7, 8, 23))
+
+
+def _assert_each_row_alone(x, packed, bias, out_features, every, row_counts):
+    """x's rows in calls of each count, on one thread and on two: the same bits as `every` (all in one call)."""
     threads = torch.get_num_threads()
     try:
         for n in (1, 2):
             torch.set_num_threads(n)
-            for rows in (1, 5, 7, 8, 23):
-                for i in range(0, 23, rows):
+            for rows in row_counts:
+                for i in range(0, len(x), rows):
                     part = cpu_linear.linear(x[i: i + rows], packed, bias, out_features)
                     assert torch.equal(part, every[i: i + rows]), (n, rows, i)
     finally:
@@ -169,16 +174,7 @@ def test_bfloat16_pairs_give_the_product_to_rounding_and_each_row_alone(out_feat
     assert got.dtype == torch.bfloat16
     want = nn.functional.linear(x.float(), weight.float()).to(torch.bfloat16)
     torch.testing.assert_close(got.float(), want.float(), rtol=1e-2, atol=2e-2)
-    threads = torch.get_num_threads()
-    try:
-        for n in (1, 2):
-            torch.set_num_threads(n)
-            for rows in (1, 5, 6, 7, 23):
-                for i in range(0, 23, rows):
-                    part = cpu_linear.linear(x[i : i + rows], packed, None, out_features)
-                    assert torch.equal(part, got[i : i + rows]), (n, rows, i)
-    finally:
-        torch.set_num_threads(threads)
+    _assert_each_row_alone(x, packed, None, out_features, got, (1, 5, 6, 7, 23))
 
 
 def test_a_bfloat16_model_takes_the_pair_path_where_the_cpu_has_it(target_model):
