@@ -428,3 +428,39 @@ def test_a_packed_runner_holds_no_tensor_of_the_checkpoints_file_mapping(tmp_pat
     assert left and all(p.data_ptr() != mapped[name] for name, p in left.items())
     fresh = make_model(seed=5)
     assert torch.equal(left["model.embed_tokens.weight"], fresh.model.embed_tokens.weight)
+
+
+@pytest.mark.parametrize("march, cpu_flag", [("x86-64-v3", "avx2"), ("x86-64-v4", "avx512f")])
+def test_the_kernel_builds_and_computes_for_cpus_without_the_newest_instructions(march, cpu_flag):
+    """A user's CPU may lack AVX512-BF16 or AVX-512: the kernel built for AVX2 alone (x86-64-v3) and for AVX-512
+    without BF16 (x86-64-v4) compiles, and where this CPU runs it, its float32 and int8 products are
+    F.linear's to rounding. (An int8 path once needed a header only the BF16 build included.)"""
+    import ctypes
+    import platform
+
+    if platform.machine() != "x86_64":
+        pytest.skip("x86 instruction sets")
+    path = native.build(cpu_linear.SOURCE, [f for f in cpu_linear._FLAGS if not f.startswith("-march")]
+                        + [f"-march={march}"])
+    assert path is not None, f"the kernel does not build for {march}"
+    if cpu_flag not in open("/proc/cpuinfo").read().split():
+        return  # built; this CPU cannot run it
+    lib = ctypes.CDLL(str(path))
+    i64, ptr = ctypes.c_int64, ctypes.c_void_p
+    for fn in (lib.specserve_gemm_f32, lib.specserve_gemm_q8):
+        fn.argtypes, fn.restype = [ptr, i64, i64, ptr, i64, ptr, ptr, i64, i64], None
+    for fn in (lib.specserve_gemm_pack_f32, lib.specserve_gemm_pack_q8):
+        fn.argtypes, fn.restype = [ptr, i64, i64, ptr], None
+    lib.specserve_gemm_group_width.restype = i64
+    width = lib.specserve_gemm_group_width()
+    weight, bias = _weights(70, 33)
+    x = torch.randn(9, 33)
+    packed = torch.empty(-(-70 // width), 33, width)
+    lib.specserve_gemm_pack_f32(weight.data_ptr(), 70, 33, packed.data_ptr())
+    y = torch.empty(9, 70)
+    lib.specserve_gemm_f32(x.data_ptr(), 9, 33, packed.data_ptr(), 70, bias.data_ptr(), y.data_ptr(), 1, 0)
+    torch.testing.assert_close(y, nn.functional.linear(x, weight, bias), rtol=1e-5, atol=1e-5)
+    q8 = cpu_linear._pack_int8(lib, weight, width, pairs=False)
+    rows = nn.functional.pad(x, (0, cpu_linear.SCALE_ROWS))
+    lib.specserve_gemm_q8(rows.data_ptr(), 9, q8.shape[1], q8.data_ptr(), 70, bias.data_ptr(), y.data_ptr(), 1, 0)
+    torch.testing.assert_close(y, nn.functional.linear(x, _int8_reference(weight), bias), rtol=1e-5, atol=1e-4)

@@ -41,7 +41,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <type_traits>
-#if defined(__AVX512BF16__)
+#if defined(__AVX2__) || defined(__AVX512F__)  // the int8 widening's intrinsics; the pairs' (AVX512-BF16)
 #include <immintrin.h>
 #endif
 #include <cstring>
