@@ -156,3 +156,23 @@ def test_the_steps_bench_reports_each_shape_eagerly(model_dirs, capsys):
     assert all(ms > 0 for ms in report["eager"].values())
     with pytest.raises(SystemExit):
         steps.main(["--target", model_dirs["target"], "--reps", "1"])
+    with pytest.raises(SystemExit):  # a target's weights are the model
+        steps.main(["--target", model_dirs["target"], "--packed-weights", "int8"])
+
+
+def test_the_steps_bench_loads_a_draft_as_a_draft_replica_does(model_dirs, capsys, monkeypatch):
+    """--draft: the model's linears packed in --packed-weights (here int8), as a draft replica's are."""
+    from app.model import cpu_linear
+    from specserve.bench import steps
+
+    if not cpu_linear.kernel_available():
+        pytest.skip("no C++ compiler to build the kernel")
+    loaded = []
+    real = steps.load_runner
+    monkeypatch.setattr(steps, "load_runner", lambda *a, **k: loaded.append(real(*a, **k)) or loaded[-1])
+    assert steps.main(["--draft", model_dirs["draft"], "--dtype", "float32", "--compile", "off", "--reps", "2",
+                       "--context", "10", "--packed-weights", "int8"]) == 0
+    report = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert list(report) == ["eager"] and all(ms > 0 for ms in report["eager"].values())
+    packed = [m for m in loaded[0].model.modules() if isinstance(m, cpu_linear.PackedLinear)]
+    assert packed and all(m.packed.dtype == torch.int8 for m in packed)

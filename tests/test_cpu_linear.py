@@ -45,6 +45,7 @@ CASES = [  # rows' dtype, weights' dtype, pairs, input size (odd: the pairs' pad
     (torch.bfloat16, torch.bfloat16, True, 40, False), (torch.float16, torch.float32, False, 40, True),
     (torch.float32, torch.int8, False, 33, True), (torch.bfloat16, torch.int8, True, 33, True),
     (torch.float32, torch.int8, True, 40, False),  # int8: a draft's `packed_weights: int8`
+    (torch.bfloat16, torch.int4, True, 33, True), (torch.float32, torch.int4, True, 72, False),  # int4 blocks
 ]
 
 
@@ -53,11 +54,13 @@ def test_the_ops_cpp_kernel_gives_its_python_bodys_bits(x_dtype, w_dtype, pairs,
     """specserve::linear runs app/model/kernels/linear_op.cpp where it builds; `_linear` is the same op
     in Python (the fallback): every dtype path, non-contiguous rows, a compiled step's real rows."""
     assert cpu_linear.implementation() == "C++"  # it builds wherever the kernel does (same compiler)
-    if pairs and not cpu_linear.pairs_available():
+    if pairs and not cpu_linear.pairs_available() or w_dtype == torch.int4 and not cpu_linear.int4_available():
         pytest.skip("this CPU has no AVX512-BF16")
-    int8 = w_dtype == torch.int8
-    weight, bias = _weights(150, in_features, torch.bfloat16 if int8 and pairs else torch.float32 if int8 else w_dtype)
-    packed = cpu_linear.pack(weight, pairs=pairs, int8=int8)
+    int8, int4 = w_dtype == torch.int8, w_dtype == torch.int4
+    quantized = int8 or int4
+    weight, bias = _weights(150, in_features, torch.bfloat16 if quantized and pairs else torch.float32 if quantized
+                            else w_dtype)
+    packed = cpu_linear.pack(weight, pairs=pairs, int8=int8, int4=int4)
     bias = bias.to(x_dtype) if with_bias else None
     x = torch.randn(in_features, 2, 11).to(x_dtype).transpose(0, 2)  # [11, 2, in], not contiguous
     for real in (None, 3):
@@ -105,21 +108,56 @@ def test_int8_weights_give_the_product_of_their_steps(out_features, in_features,
         torch.testing.assert_close(got.float(), want.to(torch.bfloat16).float(), rtol=1e-2, atol=1e-2)
 
 
-@pytest.mark.parametrize("x_dtype, pairs", [(torch.float32, False), (torch.bfloat16, False), (torch.bfloat16, True)])
-def test_int8_rows_are_the_same_bits_alone_as_in_any_call_and_in_the_python_body(x_dtype, pairs):
-    """Pairs: every row tile widens its int8 pairs to the same bfloat16 pairs; a row's bits are the same in
-    every row count and thread split (the matrix is large enough for the kernel to split 23 rows' work
-    between two threads)."""
-    if pairs and not cpu_linear.pairs_available():
+@pytest.mark.parametrize("x_dtype, pairs, int4", [(torch.float32, False, False), (torch.bfloat16, False, False),
+                                                  (torch.bfloat16, True, False), (torch.bfloat16, True, True)])
+def test_quantized_rows_are_the_same_bits_alone_as_in_any_call_and_in_the_python_body(x_dtype, pairs, int4):
+    """Pairs: every row tile widens its int8 pairs to the same bfloat16 pairs; int4: every tile sums each
+    block's pairs and enters the block into a column's chain alike, whatever rows it holds (tiles of 3, 2
+    and 1). A row's bits are the same in every row count and thread split (the matrix is large enough
+    for the kernel to split 23 rows' work between two threads)."""
+    if pairs and not cpu_linear.pairs_available() or int4 and not cpu_linear.int4_available():
         pytest.skip("this CPU has no AVX512-BF16")
     out_features, in_features = 2100, 1023
     weight, bias = _weights(out_features, in_features, torch.bfloat16 if pairs else torch.float32)
-    packed = cpu_linear.pack(weight, pairs=pairs, int8=True)
-    assert packed.dim() == (4 if pairs else 3)
+    packed = cpu_linear.pack(weight, pairs=pairs, int8=not int4, int4=int4)
+    assert packed.dim() == (3 if int4 or not pairs else 4)
     x = torch.randn(23, in_features).to(x_dtype)
     every = cpu_linear.linear(x, packed, bias, out_features)
     assert torch.equal(every, cpu_linear._linear(x, packed, bias, out_features))
-    _assert_each_row_alone(x, packed, bias, out_features, every, (1, 5, 7, 8, 23))
+    _assert_each_row_alone(x, packed, bias, out_features, every, (1, 2, 3, 5, 7, 8, 23))
+
+
+def _int4_reference(weight: torch.Tensor) -> torch.Tensor:
+    """The weights int4 packing computes with: each output's blocks of 32 inputs as s * (q - z), q in 0 .. 15,
+    s = (largest - smallest) / 15 (the range stretched to hold zero) rounded to bfloat16, z = round(-smallest / s)."""
+    n, k = weight.shape
+    w = nn.functional.pad(weight.float(), (0, -k % 32)).view(n, -1, 32)
+    low, high = w.amin(-1, keepdim=True).clamp(max=0), w.amax(-1, keepdim=True).clamp(min=0)
+    s = ((high - low) / 15).to(torch.bfloat16).float()
+    s = torch.where(s > 0, s, torch.ones_like(s))
+    z = torch.round(-low / s).clamp(0, 15)
+    return (s * ((torch.round(w / s) + z).clamp(0, 15) - z)).view(n, -1)[:, :k]
+
+
+@pytest.mark.parametrize("out_features, in_features, rows", [(1, 3, 1), (70, 33, 5), (200, 64, 7), (130, 96, 13)])
+def test_int4_weights_give_the_product_of_their_blocks(out_features, in_features, rows):
+    """packed_weights int4 (a bfloat16 draft): y = x W'^T + bias, W' each block's s * (q - z), summed in
+    float32 and rounded once to bfloat16; 0.59 of int8's bytes, the input padded to blocks of 32."""
+    if not cpu_linear.int4_available():
+        pytest.skip("this CPU has no AVX512-BF16")
+    weight, bias = _weights(out_features, in_features, torch.bfloat16)
+    weight[0] = 0  # an all-zero output keeps a usable scale
+    packed = cpu_linear.pack(weight, int4=True)
+    width = cpu_linear._kernel().specserve_gemm_group_width()
+    blocks = -(-in_features // 32)
+    assert packed.dtype == torch.uint8 and packed.shape == (-(-out_features // width), blocks, 16 * width + 3 * width)
+    x = torch.randn(2, rows, in_features).to(torch.bfloat16)
+    got = cpu_linear.linear(x, packed, bias.to(torch.bfloat16), out_features)
+    want = nn.functional.linear(x.float(), _int4_reference(weight), bias.to(torch.bfloat16).float())
+    assert got.dtype == torch.bfloat16 and torch.equal(got[..., 0].float(), want[..., 0].to(torch.bfloat16).float())
+    torch.testing.assert_close(got.float(), want.to(torch.bfloat16).float(), rtol=1e-2, atol=2e-2)
+    # the blocks keep the weights to 1/30 of each block's range
+    assert (_int4_reference(weight) - weight.float()).abs().max() <= weight.float().abs().max() / 15
 
 
 def _assert_each_row_alone(x, packed, bias, out_features, every, row_counts):
@@ -349,17 +387,23 @@ def test_without_a_compiler_eager_linears_take_onednn_and_compiled_ones_stay(mon
     assert all(not m.kernel for m in model.modules() if isinstance(m, cpu_linear.PackedLinear))
 
 
-@pytest.mark.parametrize("packed_dtype", [torch.bfloat16, torch.int8])
+@pytest.mark.parametrize("packed_dtype, draft_dtype", [(torch.bfloat16, torch.float32), (torch.int8, torch.float32),
+                                                      (torch.int4, torch.bfloat16), (torch.int4, torch.float32)])
 def test_a_draft_on_smaller_packed_weights_proposes_and_the_output_stays_the_targets(target_model, tokenizer,
-                                                                                     packed_dtype):
-    """packed_weights: bfloat16 halves what a float32 draft step streams, int8 quarters it; its proposals may
+                                                                                     packed_dtype, draft_dtype):
+    """packed_weights: bfloat16 halves what a float32 draft step streams, int8 quarters it, int4 (a bfloat16
+    draft where the CPU has AVX512-BF16; elsewhere int8) takes 0.59 of int8's bytes; its proposals may
     change, the target still decides every token."""
     from app.engine import Engine
     from app.params import SamplingParams
 
-    draft = ModelRunner(copy.deepcopy(target_model), tokenizer, Execution(pack=True, packed_dtype=packed_dtype))
+    model = copy.deepcopy(target_model).to(draft_dtype)
+    draft = ModelRunner(model, tokenizer, Execution(pack=True, packed_dtype=packed_dtype))
     packed = [m for m in draft.model.modules() if isinstance(m, cpu_linear.PackedLinear)]
-    assert packed and all(m.packed.dtype == packed_dtype for m in packed)
+    int4 = packed_dtype == torch.int4 and draft_dtype == torch.bfloat16 and cpu_linear.int4_available()
+    stored = torch.uint8 if int4 else torch.int8 if packed_dtype == torch.int4 else packed_dtype
+    assert packed and all(m.packed.dtype == stored for m in packed)
+    assert all(m.weights == ("int4" if int4 else str(stored).removeprefix("torch.")) for m in packed)
     engine = Engine(ModelRunner(target_model, tokenizer), draft)
     params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, speculation={"num_tokens": 4})
     result = engine.generate(["def fib(n):"], params)[0]
@@ -372,15 +416,17 @@ def test_a_draft_on_smaller_packed_weights_proposes_and_the_output_stays_the_tar
     assert result.speculation["drafted_tokens"] > 0 and result.speculation["accepted_tokens"] > 0
 
 
-def test_int8_weights_are_a_drafts_setting_alone():
-    """A target's weights are the model: its settings and the Serve config refuse int8; a draft's take it."""
+@pytest.mark.parametrize("weights", ["int8", "int4"])
+def test_quantized_weights_are_a_drafts_setting_alone(weights):
+    """A target's weights are the model: its settings and the Serve config refuse int8 and int4; a draft's
+    take them."""
     from app.config import DraftSettings, ModelSettings
     from deployments.args import AppConfig
 
-    assert DraftSettings(packed_weights="int8").packed_weights == "int8"
-    assert AppConfig.model_validate({"draft": {"packed_weights": "int8"}}).draft.packed_weights == "int8"
-    for refused in (lambda: ModelSettings(packed_weights="int8"),
-                    lambda: AppConfig.model_validate({"target": {"packed_weights": "int8"}})):
+    assert DraftSettings(packed_weights=weights).packed_weights == weights
+    assert AppConfig.model_validate({"draft": {"packed_weights": weights}}).draft.packed_weights == weights
+    for refused in (lambda: ModelSettings(packed_weights=weights),
+                    lambda: AppConfig.model_validate({"target": {"packed_weights": weights}})):
         with pytest.raises(ValueError):
             refused()
 
@@ -451,7 +497,8 @@ def test_the_kernel_builds_and_computes_for_cpus_without_the_newest_instructions
         fn.argtypes, fn.restype = [ptr, i64, i64, ptr, i64, ptr, ptr, i64, i64], None
     for fn in (lib.specserve_gemm_pack_f32, lib.specserve_gemm_pack_q8):
         fn.argtypes, fn.restype = [ptr, i64, i64, ptr], None
-    lib.specserve_gemm_group_width.restype = i64
+    lib.specserve_gemm_group_width.restype = lib.specserve_gemm_q4_block.restype = i64
+    assert lib.specserve_gemm_q4_block() == 0  # int4 blocks need AVX512-BF16: none in this build
     width = lib.specserve_gemm_group_width()
     weight, bias = _weights(70, 33)
     x = torch.randn(9, 33)

@@ -47,7 +47,7 @@ def _kernel() -> ctypes.CDLL | None:
     if lib is not None and lib.specserve_gemm_f32.restype is not None:
         i64, ptr = ctypes.c_int64, ctypes.c_void_p
         for fn in (lib.specserve_gemm_f32, lib.specserve_gemm_bf16, lib.specserve_gemm_pairs, lib.specserve_gemm_q8,
-                   lib.specserve_gemm_q8_pairs):
+                   lib.specserve_gemm_q8_pairs, lib.specserve_gemm_q4):
             fn.argtypes = [ptr, i64, i64, ptr, i64, ptr, ptr, i64, i64]  # ..., y, threads, y is bfloat16
             fn.restype = None
         for fn in (lib.specserve_gemm_pack_f32, lib.specserve_gemm_pack_bf16, lib.specserve_gemm_pack_pairs,
@@ -56,10 +56,11 @@ def _kernel() -> ctypes.CDLL | None:
             fn.restype = None
         lib.specserve_gemm_group_width.restype = i64
         lib.specserve_gemm_has_pairs.restype = i64
+        lib.specserve_gemm_q4_block.restype = i64
     return lib
 
 
-_FUNCTIONS: dict[torch.dtype, object] = {}  # packed weights' dtype -> the kernel's function (int32: pairs)
+_FUNCTIONS: dict[torch.dtype, object] = {}  # packed weights' dtype -> the kernel's function (int32: pairs, uint8: int4)
 _Q8_PAIRS: dict[str, object] = {}  # "fn": the kernel's function for int8 weights in pairs (4-D int8 packing)
 OP_SOURCE = "linear_op.cpp"  # the op's CPU kernel in C++ (its Python body, `_linear`, where it cannot build)
 _registered = threading.Lock()
@@ -71,7 +72,8 @@ def kernel_available() -> bool:
     lib = _kernel()
     if lib is not None and not _FUNCTIONS:
         _FUNCTIONS.update({torch.float32: lib.specserve_gemm_f32, torch.bfloat16: lib.specserve_gemm_bf16,
-                           torch.int32: lib.specserve_gemm_pairs, torch.int8: lib.specserve_gemm_q8})
+                           torch.int32: lib.specserve_gemm_pairs, torch.int8: lib.specserve_gemm_q8,
+                           torch.uint8: lib.specserve_gemm_q4})
         _Q8_PAIRS["fn"] = lib.specserve_gemm_q8_pairs
     if lib is not None and "impl" not in _op:
         _register()
@@ -103,6 +105,11 @@ def pairs_available() -> bool:
     return kernel_available() and bool(_kernel().specserve_gemm_has_pairs())
 
 
+def int4_available() -> bool:
+    """Whether the kernel has its int4 path here (the pair path, and AVX-512's byte shuffles)."""
+    return pairs_available() and _kernel().specserve_gemm_q4_block() > 0
+
+
 def onednn_available() -> bool:
     """Whether this torch build has oneDNN's prepacked linear (the fallback)."""
     return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
@@ -110,20 +117,25 @@ def onednn_available() -> bool:
 
 SCALE_ROWS = 4  # an int8 group's k-rows after its weights: its columns' float32 scales (small_gemm.cpp)
 SCALE_PAIRS = 2  # the same bytes in int8 pairs: two pair rows
+Q4_K = 32  # int4: inputs a scale and zero point cover (small_gemm.cpp)
 
 
-def pack(weight: torch.Tensor, pairs: bool = False, int8: bool = False) -> torch.Tensor:
+def pack(weight: torch.Tensor, pairs: bool = False, int8: bool = False, int4: bool = False) -> torch.Tensor:
     """`weight` ([out, in], float32 or bfloat16) in the kernel's layout: [groups, in, group width];
     `pairs` (bfloat16 weights, pairs_available()): [groups, in / 2 rounded up, group width] int32, each
     two bfloat16 values along the input, for bfloat16 rows; `int8`: [groups, in + SCALE_ROWS, group width]
     int8, each output's weights rounded to int8 steps of its own scale (its largest magnitude / 127), the
     group's scales after them as float32 bytes; `int8` and `pairs`: the same steps in pairs along the input,
     for bfloat16 rows, [groups, in / 2 rounded up + SCALE_PAIRS, group width, 2] (each 16 columns of a pair
-    row: their even inputs' bytes, then their odd ones'; small_gemm.cpp)."""
+    row: their even inputs' bytes, then their odd ones'; small_gemm.cpp); `int4` (int4_available()): each
+    output's weights in blocks of Q4_K inputs as a bfloat16 scale times (q - z), q and z in 0 .. 15,
+    [groups, blocks, block bytes] uint8 (small_gemm.cpp)."""
     kernel_available()  # loads the kernel and names its functions, which `linear` then calls
     lib = _kernel()
     weight = weight.detach().contiguous()
     width, (n, k) = lib.specserve_gemm_group_width(), weight.shape
+    if int4:
+        return _pack_int4(weight.float(), width, lib.specserve_gemm_q4_block())
     if int8:
         return _pack_int8(lib, weight.float(), width, pairs)
     if pairs:
@@ -160,6 +172,38 @@ def _pack_int8(lib, weight: torch.Tensor, width: int, pairs: bool) -> torch.Tens
     return out
 
 
+def _q4_columns(width: int) -> torch.Tensor:
+    """The column each byte of an int4 pair row holds: small_gemm.cpp's unpacking leaves byte
+    16 * (l / 4) + 4 * j + l % 4 of a row in lane l of its vector j, which is column 16 * j + l."""
+    lanes = 16
+    assert width == 4 * lanes, "int4 blocks are laid out for AVX-512's 16 lanes, 4 vectors a group"
+    columns = torch.empty(width, dtype=torch.long)
+    for c in range(width):
+        j, lane = divmod(c, lanes)
+        columns[16 * (lane // 4) + 4 * j + lane % 4] = c
+    return columns
+
+
+def _pack_int4(weight: torch.Tensor, width: int, block_bytes: int) -> torch.Tensor:
+    n, k = weight.shape
+    groups, blocks = -(-n // width), -(-k // Q4_K)
+    w = torch.zeros(groups * width, blocks * Q4_K)  # zero past n and k: those products add nothing
+    w[:n, :k] = weight
+    w = w.view(groups * width, blocks, Q4_K)
+    low, high = w.amin(-1).clamp(max=0), w.amax(-1).clamp(min=0)  # zero within the range: z is exact
+    scale = ((high - low) / 15).to(torch.bfloat16)
+    scale = torch.where(scale > 0, scale, torch.ones_like(scale))  # an all-zero block: any scale
+    zero = torch.round(-low / scale.float()).clamp_(0, 15)
+    q = (torch.round(w / scale.float()[..., None]) + zero[..., None]).clamp_(0, 15).to(torch.uint8)
+    pairs = q[..., 0::2] | (q[..., 1::2] << 4)  # a byte: the even input's q in its low nibble
+    pairs = pairs.view(groups, width, blocks, Q4_K // 2).permute(0, 2, 3, 1)[..., _q4_columns(width)]
+    scales = scale.view(groups, width, blocks).transpose(1, 2).contiguous().view(torch.uint8)
+    zeros = zero.to(torch.uint8).view(groups, width, blocks).transpose(1, 2)
+    out = torch.cat([pairs.reshape(groups, blocks, -1), scales, zeros], -1).contiguous()
+    assert out.shape[-1] == block_bytes
+    return out
+
+
 # Defined through torch.library.Library rather than torch.library.custom_op: a step makes one call per
 # linear (121 on the reference target), and custom_op's wrappers cost about 20 us a call against 5.
 _LIBRARY = torch.library.Library("specserve", "FRAGMENT")
@@ -172,7 +216,9 @@ def _linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, ou
     weights) and the result is rounded once, by the kernel as it writes it (to x's dtype)."""
     wide = x.dtype == torch.float32  # the common case, with no conversion: a step makes 121 of these calls
     fn = _FUNCTIONS[packed.dtype]
-    if packed.dim() == 4:  # int8 pairs: bfloat16 rows, zeros against the padding and the scales
+    if packed.dtype == torch.uint8:  # int4 blocks: bfloat16 rows, zeros against the padding
+        rows = torch.nn.functional.pad(x.to(torch.bfloat16), (0, Q4_K * packed.shape[1] - x.shape[-1]))
+    elif packed.dim() == 4:  # int8 pairs: bfloat16 rows, zeros against the padding and the scales
         rows = torch.nn.functional.pad(x.to(torch.bfloat16), (0, 2 * packed.shape[1] - x.shape[-1]))
         fn = _Q8_PAIRS["fn"]
     elif packed.dtype == torch.int32:  # pairs: a bfloat16 model's rows are bfloat16 already
@@ -234,15 +280,18 @@ class PackedLinear(nn.Module):
         self.kernel = kernel
         if weight is None:
             weight, bias = layer.weight.detach(), None if layer.bias is None else layer.bias.detach()
-        int8 = kernel and dtype == torch.int8  # a draft's weights in int8 steps (`packed_weights: int8`)
         # a bfloat16 model (its rows bfloat16 too) on a CPU with AVX512-BF16: the pair path (int8 ones too)
         pairs = kernel and weight.dtype == torch.bfloat16 and pairs_available()
-        if kernel and dtype is not None and not int8:  # the kernel reads bfloat16 weights against float32 rows
+        # a draft's weights in int4 blocks (`packed_weights: int4`) where the pair path has them, else int8
+        int4 = pairs and dtype == torch.int4 and int4_available()
+        int8 = kernel and dtype in (torch.int8, torch.int4) and not int4
+        self.weights = "int4" if int4 else "int8" if int8 else str(dtype or weight.dtype).removeprefix("torch.")
+        if kernel and dtype is not None and not (int8 or int4):  # bfloat16 weights against float32 rows
             weight = weight.to(dtype)
         # oneDNN's batch-size hint only picks the blocked layout; any row count runs on it, but the layout
         # oneDNN picks for 1 row is slow for every row count (demo target, 1 core: 1 row 5.6 ms vs 4.3,
         # 5 rows 8.9 vs 4.7); from 4 up the hints measure alike
-        packed = pack(weight, pairs, int8) if kernel else torch.ops.mkldnn._reorder_linear_weight(weight, PACK_ROWS)
+        packed = pack(weight, pairs, int8, int4) if kernel else torch.ops.mkldnn._reorder_linear_weight(weight, PACK_ROWS)
         self.register_buffer("packed", packed, persistent=False)
         self.register_buffer("bias", bias, persistent=False)
 
@@ -252,7 +301,7 @@ class PackedLinear(nn.Module):
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
 
     def extra_repr(self) -> str:
-        kind = "small-row kernel" if self.kernel else "oneDNN"
+        kind = f"small-row kernel, {self.weights} weights" if self.kernel else "oneDNN"
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, {kind}"
 
 

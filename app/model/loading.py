@@ -65,7 +65,7 @@ def _runner(path: str, settings: ModelSettings, tp_size: int) -> ModelRunner:
                                   trust_remote_code=settings.trust_remote_code, tp_size=tp_size)
     if isinstance(settings, DraftSettings) and settings.proposal_vocab:
         draft_vocab.restrict_head(model, path, settings.proposal_vocab)  # before packing: its rows are packed
-    packed = {"model": None, "bfloat16": torch.bfloat16, "int8": torch.int8}[settings.packed_weights]
+    packed = {"model": None, "bfloat16": torch.bfloat16, "int8": torch.int8, "int4": torch.int4}[settings.packed_weights]
     execution = Execution(settings.attention, settings.compile, settings.compile_max_tokens, pack=tp_size == 1,
                           packed_dtype=packed, compile_layers=settings.compile_layers)
     return ModelRunner(model, tokenizer, execution)

@@ -1,6 +1,10 @@
-"""A target's forwards in process: a 1-row step, a 5-row verify and 16 sequences' steps.
+"""A model's forwards in process: a 1-row step, a 5-row verify and 16 sequences' steps.
 
     python -m specserve.bench.steps --target DIR [--dtype bfloat16] [--compile default] [--threads 1] [--reps 12]
+    python -m specserve.bench.steps --draft DIR [--packed-weights int8] [--proposal-vocab 49152] ...
+
+`--draft` loads the model as a draft replica does (its proposal head cut to `--proposal-vocab` rows, its
+linears packed in `--packed-weights`), so a draft's step is measured as it serves; `--target` as a target.
 
 Each sequence holds `--context` cached positions; each forward adds its rows to them. Prints the
 median of the forwards after the first, for the compiled steps (where `--compile` is not off) and for
@@ -15,8 +19,10 @@ import time
 
 import torch
 
+from app.config import DraftSettings, ModelSettings
 from app.model.batches import SeqInput
-from app.model.runner import Execution, ModelRunner, load_model
+from app.model.loading import load_runner
+from app.model.runner import ModelRunner
 
 SHAPES = {"1-row step": (1, 1), "5-row verify": (1, 5), "16 sequences' steps": (16, 1)}  # (sequences, rows each)
 
@@ -40,7 +46,12 @@ def measure(runner: ModelRunner, reps: int, context: int = 200) -> dict[str, flo
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--target", required=True, help="target model: hub id or local directory")
+    which = p.add_mutually_exclusive_group(required=True)
+    which.add_argument("--target", help="target model: hub id or local directory")
+    which.add_argument("--draft", help="draft model, loaded as a draft replica loads it")
+    p.add_argument("--packed-weights", default="model", choices=["model", "bfloat16", "int8", "int4"],
+                   help="--draft: the packed linears' weights (a draft's packed_weights)")
+    p.add_argument("--proposal-vocab", type=int, default=None, help="--draft: rows of its proposal head")
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--compile", default="default", choices=["off", "default"])
     p.add_argument("--threads", type=int, default=1)
@@ -49,12 +60,15 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if args.reps < 2:
         p.error("--reps must be at least 2 (the first forward is left out)")
-    torch.set_num_threads(args.threads)
-    model, tokenizer = load_model(args.target, dtype=args.dtype)
-    runner = ModelRunner(model, tokenizer, Execution(pack=True, compile=args.compile), max_cache_bytes=512 << 20)
+    if args.target and (args.packed_weights != "model" or args.proposal_vocab):
+        p.error("--packed-weights and --proposal-vocab are a draft's (--draft)")
+    common = dict(dtype=args.dtype, compile=args.compile, torch_threads=args.threads, max_cache_bytes=512 << 20,
+                  compile_in_background=False)
+    settings = (DraftSettings(**common, packed_weights=args.packed_weights, proposal_vocab=args.proposal_vocab)
+                if args.draft else ModelSettings(**common))
+    runner = load_runner(args.draft or args.target, settings, forward_tokens=16 * (args.context + 2))
     report = {}
     if runner.steps is not None:
-        runner.warm()
         report["compiled"] = measure(runner, args.reps, args.context)
     runner.steps = None  # the same runner's eager forwards
     report["eager"] = measure(runner, args.reps, args.context)

@@ -27,6 +27,9 @@ at::Tensor linear_op(const at::Tensor& x, const at::Tensor& packed, const std::o
   if (packed.scalar_type() == at::kInt) {  // pairs: a bfloat16 model's rows are bfloat16 already
     rows = x.scalar_type() == at::kBFloat16 && x.is_contiguous() ? x : x.to(at::kBFloat16).contiguous();
     if (rows.size(-1) % 2) rows = at::constant_pad_nd(rows, {0, 1}, 0);  // the weights' input padded to even
+  } else if (packed.scalar_type() == at::kByte) {  // int4 blocks: bfloat16 rows, zeros against the padding
+    rows = x.scalar_type() == at::kBFloat16 ? x : x.to(at::kBFloat16);
+    rows = at::constant_pad_nd(rows, {0, Q4_K * packed.size(1) - x.size(-1)}, 0);
   } else if (packed.scalar_type() == at::kChar && packed.dim() == 4) {  // int8 pairs: bfloat16 rows, zeros
     rows = x.scalar_type() == at::kBFloat16 ? x : x.to(at::kBFloat16);  // against the padding and the scales
     rows = at::constant_pad_nd(rows, {0, 2 * packed.size(1) - x.size(-1)}, 0);
@@ -56,6 +59,16 @@ at::Tensor linear_op(const at::Tensor& x, const at::Tensor& packed, const std::o
 #if defined(__AVX512BF16__)
       linear_to(static_cast<const uint32_t*>(rows.const_data_ptr()), real, k,
                 static_cast<const uint32_t*>(packed.const_data_ptr()), out_features, bp, out, threads, to_bf16);
+#endif
+      break;
+    case at::kByte:
+#if defined(SPECSERVE_Q4)
+      if (to_bf16) linear_q4(static_cast<const uint32_t*>(rows.const_data_ptr()), real, k,
+                             static_cast<const uint8_t*>(packed.const_data_ptr()), out_features, bp,
+                             static_cast<uint16_t*>(out), threads);
+      else linear_q4(static_cast<const uint32_t*>(rows.const_data_ptr()), real, k,
+                     static_cast<const uint8_t*>(packed.const_data_ptr()), out_features, bp,
+                     static_cast<float*>(out), threads);
 #endif
       break;
     case at::kChar:

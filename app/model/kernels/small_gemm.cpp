@@ -192,6 +192,140 @@ void tile(const X* x, int64_t ldx, const W* packed, const float* bias, Y* y, int
   }
 }
 
+constexpr int Q4_K = 32;  // int4 weights: inputs a block's scale and zero point cover (below)
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+#define SPECSERVE_Q4 1
+// int4 weights (a bfloat16 draft's, `packed_weights: int4`), in blocks of Q4_K inputs: within a block each
+// column's weights are s * (q - z), q and its zero point z in 0 .. 15, s a bfloat16 scale of the column's
+// own. A block of a column group: Q4_PAIRS pair rows of GW bytes (a byte holds one column's two inputs, the
+// even one in its low nibble, in the column order `unpack_q4` leaves them in), then the GW scales as
+// bfloat16, then the GW zero points as bytes. A nibble q becomes the bfloat16 pair value 128 + q by writing
+// it under the exponent byte 0x43, with no conversion; each block's sum over its pairs, part, then enters
+// the column's chain as acc = fma(part - (128 + z) * X, s, acc), X the row's sum of the block's inputs (in
+// order, in float32). Why: a draft's step streams its weights; int4 blocks are 0.59 of int8's bytes, and
+// with zero points per 32 inputs the Qwen2.5-Coder-0.5B draft agreed with its target's greedy tokens as
+// often as on int8 (docs/performance.md).
+constexpr int Q4_PAIRS = Q4_K / 2;
+constexpr int Q4_BLOCK = Q4_PAIRS * GW + 2 * GW + GW;  // nibbles, bfloat16 scales, zero points
+// sums a tile holds: each output's chain and its block's part (twice the registers of the other paths)
+constexpr int Q4_ROWS = 3, Q4_SUMS = 12;
+
+// GW bytes of a pair row -> GROUP vectors of LANES pairs (128 + q each). The unpacking interleaves within
+// each 128-bit lane: vector j, lane l holds byte 16 * (l / 4) + 4 * j + l % 4, where pack_q4 puts column
+// LANES * j + l
+inline void unpack_q4(const uint8_t* p, __m512i out[GROUP]) {
+  const __m512i bytes = _mm512_loadu_si512(p), nibble = _mm512_set1_epi8(0x0F), exponent = _mm512_set1_epi8(0x43);
+  const __m512i even = _mm512_and_si512(bytes, nibble), odd = _mm512_and_si512(_mm512_srli_epi16(bytes, 4), nibble);
+  const __m512i even_lo = _mm512_unpacklo_epi8(even, exponent), even_hi = _mm512_unpackhi_epi8(even, exponent);
+  const __m512i odd_lo = _mm512_unpacklo_epi8(odd, exponent), odd_hi = _mm512_unpackhi_epi8(odd, exponent);
+  out[0] = _mm512_unpacklo_epi16(even_lo, odd_lo);
+  out[1] = _mm512_unpackhi_epi16(even_lo, odd_lo);
+  out[2] = _mm512_unpacklo_epi16(even_hi, odd_hi);
+  out[3] = _mm512_unpackhi_epi16(even_hi, odd_hi);
+}
+
+inline vf load_u8(const uint8_t* p) {
+  return reinterpret_cast<vf>(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)))));
+}
+
+// rows x[0 .. R) (bfloat16 pairs, blocks * Q4_PAIRS a row; xsum: each row's block sums) against column
+// groups g .. g + G
+template <int R, int G, typename Y>
+void tile_q4(const uint32_t* x, int64_t ldx, const float* xsum, const uint8_t* packed, const float* bias, Y* y,
+             int64_t n, int64_t blocks, int64_t g) {
+  __m512 acc[R][G][GROUP];
+  for (int r = 0; r < R; ++r)
+    for (int h = 0; h < G; ++h)
+      for (int j = 0; j < GROUP; ++j) acc[r][h][j] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < blocks; ++b) {
+    vf part[R][G][GROUP] = {};
+    const uint8_t* block[G];
+    for (int h = 0; h < G; ++h) block[h] = packed + ((g + h) * blocks + b) * Q4_BLOCK;
+    for (int p = 0; p < Q4_PAIRS; ++p) {
+      __m512i wv[G][GROUP];
+      for (int h = 0; h < G; ++h) unpack_q4(block[h] + p * GW, wv[h]);
+      for (int r = 0; r < R; ++r) {
+        const auto s = splat(x[r * ldx + b * Q4_PAIRS + p]);
+        for (int h = 0; h < G; ++h)
+          for (int j = 0; j < GROUP; ++j) mac(part[r][h][j], s, wv[h][j]);
+      }
+    }
+    for (int h = 0; h < G; ++h)
+      for (int j = 0; j < GROUP; ++j) {
+        const __m512 scale = reinterpret_cast<__m512>(load(reinterpret_cast<const uint16_t*>(block[h] + Q4_PAIRS * GW) + j * LANES));
+        const __m512 offset = _mm512_add_ps(reinterpret_cast<__m512>(load_u8(block[h] + Q4_PAIRS * GW + 2 * GW + j * LANES)),
+                                            _mm512_set1_ps(128.0f));
+        for (int r = 0; r < R; ++r) {
+          const __m512 t = _mm512_fnmadd_ps(offset, _mm512_set1_ps(xsum[r * blocks + b]), reinterpret_cast<__m512>(part[r][h][j]));
+          acc[r][h][j] = _mm512_fmadd_ps(t, scale, acc[r][h][j]);
+        }
+      }
+  }
+  for (int h = 0; h < G; ++h) {
+    const int64_t col = (g + h) * GW, width = std::min<int64_t>(GW, n - col);
+    for (int r = 0; r < R; ++r) {
+      float row[GW];
+      std::memcpy(row, acc[r][h], sizeof(row));
+      if (bias)
+        for (int64_t c = 0; c < width; ++c) row[c] += bias[col + c];
+      store(y + r * n + col, row, width);
+    }
+  }
+}
+
+template <int R, typename Y>
+void rows_q4(const uint32_t* x, int64_t ldx, const float* xsum, const uint8_t* packed, const float* bias, Y* y,
+             int64_t n, int64_t blocks, int64_t g0, int64_t g1) {
+  constexpr int G = std::max(1, std::min(STREAMS, Q4_SUMS / (R * GROUP)));
+  int64_t g = g0;
+  for (; g + G <= g1; g += G) tile_q4<R, G>(x, ldx, xsum, packed, bias, y, n, blocks, g);
+  for (; g < g1; ++g) tile_q4<R, 1>(x, ldx, xsum, packed, bias, y, n, blocks, g);
+}
+
+template <typename Y>
+void run_q4(const uint32_t* x, int64_t m, const float* xsum, const uint8_t* packed, const float* bias, Y* y,
+            int64_t n, int64_t blocks, int64_t g0, int64_t g1) {
+  const int64_t ldx = blocks * Q4_PAIRS;
+  for (int64_t g = g0; g < g1; g += BAND) {
+    const int64_t g_end = std::min(g1, g + BAND);
+    int64_t r = 0;
+    for (; r + Q4_ROWS <= m; r += Q4_ROWS)
+      rows_q4<Q4_ROWS>(x + r * ldx, ldx, xsum + r * blocks, packed, bias, y + r * n, n, blocks, g, g_end);
+    if (m - r == 2) rows_q4<2>(x + r * ldx, ldx, xsum + r * blocks, packed, bias, y + r * n, n, blocks, g, g_end);
+    if (m - r == 1) rows_q4<1>(x + r * ldx, ldx, xsum + r * blocks, packed, bias, y + r * n, n, blocks, g, g_end);
+  }
+}
+
+template <typename Y>
+void linear_q4(const uint32_t* x, int64_t m, int64_t blocks, const uint8_t* packed, int64_t n, const float* bias,
+               Y* y, int64_t threads) {
+  // each row's block sums, in order: the zero points' and the 128's share of the block's part
+  std::vector<float> xsum(m * blocks);
+  const uint16_t* values = reinterpret_cast<const uint16_t*>(x);
+  for (int64_t r = 0; r < m; ++r)
+    for (int64_t b = 0; b < blocks; ++b) {
+      float sum = 0;
+      for (int k = 0; k < Q4_K; ++k) {
+        const uint32_t bits = uint32_t(values[(r * blocks + b) * Q4_K + k]) << 16;
+        float v;
+        std::memcpy(&v, &bits, sizeof(v));
+        sum += v;
+      }
+      xsum[r * blocks + b] = sum;
+    }
+  const int64_t groups = (n + GW - 1) / GW;
+  const int64_t bytes = groups * blocks * Q4_BLOCK * ((m + Q4_ROWS - 1) / Q4_ROWS);
+  threads = std::max<int64_t>(1, std::min<int64_t>({threads, groups, bytes >> 22}));
+  if (threads == 1) return run_q4(x, m, xsum.data(), packed, bias, y, n, blocks, 0, groups);
+  std::vector<std::thread> pool;
+  for (int64_t t = 1; t < threads; ++t)
+    pool.emplace_back(run_q4<Y>, x, m, xsum.data(), packed, bias, y, n, blocks, groups * t / threads,
+                      groups * (t + 1) / threads);
+  run_q4(x, m, xsum.data(), packed, bias, y, n, blocks, 0, groups / threads);
+  for (auto& th : pool) th.join();
+}
+#endif
+
 // rows x[0 .. R) against groups g0 .. g1, up to STREAMS at a time where registers allow
 template <int R, typename X, typename W, typename Y>
 void rows(const X* x, int64_t k_dim, const W* packed, const float* bias, Y* y, int64_t n, int64_t g0, int64_t g1) {
@@ -312,6 +446,21 @@ void specserve_gemm_q8_pairs(const uint32_t* x, int64_t m, int64_t k_pairs, cons
                              const float* bias, void* y, int64_t threads, int64_t y_bf16) {
 #if defined(__AVX512BF16__)
   linear_to(x, m, k_pairs, reinterpret_cast<const q8pair*>(packed), n, bias, y, threads, y_bf16);
+#endif
+}
+// int4 weights in blocks (packed by cpu_linear._pack_int4), for bfloat16 rows of blocks * Q4_K values
+void specserve_gemm_q4(const uint32_t* x, int64_t m, int64_t blocks, const uint8_t* packed, int64_t n,
+                       const float* bias, void* y, int64_t threads, int64_t y_bf16) {
+#if defined(SPECSERVE_Q4)
+  if (y_bf16) return linear_q4(x, m, blocks, packed, n, bias, static_cast<uint16_t*>(y), threads);
+  linear_q4(x, m, blocks, packed, n, bias, static_cast<float*>(y), threads);
+#endif
+}
+int64_t specserve_gemm_q4_block() {  // 0: no int4 path on this CPU
+#if defined(SPECSERVE_Q4)
+  return Q4_BLOCK;
+#else
+  return 0;
 #endif
 }
 int64_t specserve_gemm_group_width() { return GW; }
