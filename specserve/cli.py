@@ -166,10 +166,23 @@ def parser() -> argparse.ArgumentParser:
                                                   "default cpu)")
     d.add_argument("--measure", action="store_true",
                    help="qwen2.5-coder: measure the pair after building it (tau and c: minutes on 2 cores)")
+    d.add_argument("--draft-weights", type=_draft_weights, metavar="W[,W...]",
+                   help="measure the draft on these packed weights (model, bfloat16, int8, int4), each against the "
+                        "same target text; the first is the one timed")
+    d.add_argument("--proposal-vocab", type=int, help="measure the draft with its head cut to this many rows")
     d.add_argument("--seed", type=int, default=0, help="the demo pair's seed")
     d.add_argument("--cache-dir", help="where to keep the pair (default: $SPECSERVE_CACHE or the user cache)")
     d.set_defaults(func=cmd_demo_models)
     return p
+
+
+def _draft_weights(value: str) -> list[str]:
+    """`--draft-weights int8,int4`: packed_weights values, each one a draft may take."""
+    names = ("model", "bfloat16", "int8", "int4")
+    weights = value.split(",")
+    if not all(w in names for w in weights):
+        raise argparse.ArgumentTypeError(f"each of {value!r} must be one of {', '.join(names)}")
+    return weights
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -97,6 +97,27 @@ def test_measure_and_cli_report(quick_pair, capsys):
     assert target_dir in out and "tau" in out and "c =" in out and "acceptance by draft position" in out
 
 
+def test_the_draft_is_measured_on_each_packing_against_one_target_text(quick_pair, capsys):
+    """--draft-weights model,int8: the draft's agreement on each, the same target text for both; int8
+    steps move the draft's logits, so its greedy choices may differ a little, never by much here."""
+    from app.model import cpu_linear
+    from specserve.cli import parser
+
+    if not cpu_linear.kernel_available():
+        pytest.skip("no C++ compiler to build the kernel")
+    target_dir, draft_dir, cache = quick_pair
+    m = measure_pair(target_dir, draft_dir, k=4, new_tokens=8, draft_weights=("int8", "model"))
+    assert list(m["by_weights"]) == ["int8", "model"]
+    assert m["tau"] == m["by_weights"]["int8"]["tau"]  # the first packing is the one reported whole
+    assert abs(m["by_weights"]["int8"]["alpha"] - m["by_weights"]["model"]["alpha"]) <= 0.25
+    args = parser().parse_args(["demo-models", "--quick", "--cache-dir", cache, "--draft-weights", "int8,model"])
+    assert build_cli(args) == 0
+    out = capsys.readouterr().out
+    assert "draft on int8 weights: tau" in out and "draft on model weights: tau" in out
+    with pytest.raises(SystemExit):
+        parser().parse_args(["demo-models", "--draft-weights", "int3"])
+
+
 def test_replay_rounds():
     assert replay_rounds([True] * 10, k=4) == (10, 2)  # 4 accepted + bonus, twice
     assert replay_rounds([False] * 6, k=4) == (6, 6)  # every round emits only the correction

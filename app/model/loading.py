@@ -11,6 +11,10 @@ from app.model.memory import ForwardSize, size_kv_budget, size_shared_kv_budget
 from app.model.runner import Execution, ModelRunner, SeqInput, load_model
 
 
+# a draft's `packed_weights` -> the dtype its packed linears take (app/model/cpu_linear.py)
+PACKED_DTYPES = {"model": None, "bfloat16": torch.bfloat16, "int8": torch.int8, "int4": torch.int4}
+
+
 def set_torch_threads(settings: ModelSettings) -> None:
     """Ray sets one OpenMP thread per whole reserved CPU (one for a fraction); the settings may say otherwise."""
     if settings.torch_threads:
@@ -65,7 +69,7 @@ def _runner(path: str, settings: ModelSettings, tp_size: int) -> ModelRunner:
                                   trust_remote_code=settings.trust_remote_code, tp_size=tp_size)
     if isinstance(settings, DraftSettings) and settings.proposal_vocab:
         draft_vocab.restrict_head(model, path, settings.proposal_vocab)  # before packing: its rows are packed
-    packed = {"model": None, "bfloat16": torch.bfloat16, "int8": torch.int8, "int4": torch.int4}[settings.packed_weights]
+    packed = PACKED_DTYPES[settings.packed_weights]
     execution = Execution(settings.attention, settings.compile, settings.compile_max_tokens, pack=tp_size == 1,
                           packed_dtype=packed, compile_layers=settings.compile_layers)
     return ModelRunner(model, tokenizer, execution)

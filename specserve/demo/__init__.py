@@ -76,13 +76,19 @@ def build_cli(args) -> int:
     print(f"target: {target_dir}\ndraft:  {draft_dir}", flush=True)
     if name == "qwen2.5-coder" and not getattr(args, "measure", False):  # 1.5B: minutes of rounds on 2 cores
         return 0
-    m = measure_pair(target_dir, draft_dir, prompts=prompts)
+    weights = tuple(getattr(args, "draft_weights", None) or ("model",))
+    m = measure_pair(target_dir, draft_dir, prompts=prompts, draft_weights=weights,
+                     proposal_vocab=getattr(args, "proposal_vocab", None),
+                     progress=lambda line: print(line, file=sys.stderr, flush=True))
     print(f"params: target {m['target_params'] / 1e6:.1f}M ({m['target_dtype']}), "
           f"draft {m['draft_params'] / 1e6:.2f}M ({m['draft_dtype']}), "
           f"ratio {m['target_params'] / m['draft_params']:.1f}x")
     print(f"greedy mean accepted length tau at K={m['k']}: {m['tau']:.2f} "
           + " ".join(f"({k} {v:.2f})" for k, v in m["tau_by_kind"].items()))
     print("acceptance by draft position: " + " ".join(f"{a:.2f}" for a in m["acceptance_by_position"]))
+    if len(weights) > 1 or weights != ("model",):
+        for w, figures in m["by_weights"].items():
+            print(f"draft on {w} weights: tau {figures['tau']:.2f}, greedy agreement {figures['alpha']:.3f}")
     print(f"step time: target {m['target_step_ms']:.2f} ms, draft {m['draft_step_ms']:.2f} ms, "
           f"cost ratio c = {m['c']:.3f}")
     return 0

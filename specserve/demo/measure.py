@@ -4,6 +4,8 @@
 position of that same text, and replay rounds of K: each round emits the longest run of
 agreeing draft tokens plus one target token (the correction, or the bonus after K agreements).
 c (cost ratio): median time of a one-token decode step with KV cache, draft over target, batch 1.
+The draft may be measured as a replica serves it (`draft_weights`, `proposal_vocab`: its linears
+packed, its head cut), for several packings against one greedy decode of the target.
 """
 
 from __future__ import annotations
@@ -17,7 +19,10 @@ from transformers import PreTrainedModel
 from specserve.demo.corpus import load_heldout_prompts
 from app.model.hf_compat import returned_cache, with_cache
 from app.model.eos import eos_ids
+from app.model.cpu_linear import kernel_available, pack_linears
+from app.model.loading import PACKED_DTYPES
 from app.model.runner import load_model
+from app.speculation import draft_vocab
 
 
 def distinct_ngrams(tokens: list[int], n: int = 4) -> float:
@@ -118,24 +123,50 @@ def prompt_ids(tok, prompt: dict) -> torch.Tensor:
     return tok(prompt["prompt"], return_tensors="pt").input_ids
 
 
-def measure_pair(target_dir: str, draft_dir: str, k: int = 4, new_tokens: int = 64,
-                 prompts: list[dict] | None = None) -> dict:
-    """τ at K (greedy, held-out prompts: the demo's unless given), acceptance by draft position, cost
-    ratio c and parameter counts of a saved pair."""
-    target, tok = load_model(target_dir, dtype="auto")  # bf16 only where this CPU does it natively
+def served_draft(draft_dir: str, weights: str = "model", proposal_vocab: int | None = None
+                 ) -> tuple[PreTrainedModel, int]:
+    """The draft as a replica computes it, and its parameter count as loaded (packed linears are buffers):
+    its head cut to `proposal_vocab` rows, its linears packed in `weights` (a draft's packed_weights;
+    where no kernel builds, as loaded)."""
     draft, _ = load_model(draft_dir, dtype="auto")
-    emitted, rounds, by_kind, distinct, agree_all = 0, 0, {}, [], []
+    params = draft.num_parameters()
+    if proposal_vocab:
+        draft_vocab.restrict_head(draft, draft_dir, proposal_vocab)
+    if weights != "model" and kernel_available():
+        pack_linears(draft, dtype=PACKED_DTYPES[weights])
+    return draft, params
+
+
+def measure_pair(target_dir: str, draft_dir: str, k: int = 4, new_tokens: int = 64,
+                 prompts: list[dict] | None = None, draft_weights: tuple[str, ...] = ("model",),
+                 proposal_vocab: int | None = None, progress=None) -> dict:
+    """τ at K (greedy, held-out prompts: the demo's unless given), acceptance by draft position, cost
+    ratio c and parameter counts of a saved pair; the draft in its first `draft_weights`, and each
+    packing's τ and α in "by_weights". `progress(line)`: told of each prompt decoded and packing measured."""
+    say = progress or (lambda line: None)
+    target, tok = load_model(target_dir, dtype="auto")  # bf16 only where this CPU does it natively
+    emitted, rounds, by_kind, distinct, texts = 0, 0, {}, [], []
     stops = eos_ids(target.generation_config, tok)
-    for p in prompts or load_heldout_prompts():
+    prompts = prompts or load_heldout_prompts()
+    for i, p in enumerate(prompts):
         ids = prompt_ids(tok, p)
         cont = greedy_continuation(target, ids, new_tokens, stops)
         distinct.append(distinct_ngrams(cont.tolist()))
-        agree = agreement(draft, ids, cont)
-        agree_all.append(agree)
+        texts.append((p["kind"], ids, cont))
+        say(f"target's text {i + 1}/{len(prompts)}: {len(cont)} tokens")
+    by_weights = {}
+    for weights in reversed(draft_weights):  # the first last: its draft is the one timed below
+        draft, draft_params = served_draft(draft_dir, weights, proposal_vocab)
+        agrees = [agreement(draft, ids, cont) for _, ids, cont in texts]
+        done, taken = map(sum, zip(*(replay_rounds(agree, k) for agree in agrees)))
+        by_weights[weights] = {"tau": done / taken, "alpha": sum(map(sum, agrees)) / max(1, sum(map(len, agrees)))}
+        say(f"draft on {weights} weights: measured")
+    agree_all = agrees
+    for (kind, _, _), agree in zip(texts, agree_all):
         e, r = replay_rounds(agree, k)
         emitted, rounds = emitted + e, rounds + r
-        ke, kr = by_kind.get(p["kind"], (0, 0))
-        by_kind[p["kind"]] = (ke + e, kr + r)
+        ke, kr = by_kind.get(kind, (0, 0))
+        by_kind[kind] = (ke + e, kr + r)
     target_ms, draft_ms = step_ms(target), step_ms(draft)
     return {
         "k": k,
@@ -148,7 +179,8 @@ def measure_pair(target_dir: str, draft_dir: str, k: int = 4, new_tokens: int = 
         "draft_step_ms": draft_ms,
         "c": draft_ms / target_ms,
         "target_params": target.num_parameters(),
-        "draft_params": draft.num_parameters(),
+        "draft_params": draft_params,
         "target_dtype": str(target.dtype),
         "draft_dtype": str(draft.dtype),
+        "by_weights": {w: by_weights[w] for w in draft_weights},
     }
