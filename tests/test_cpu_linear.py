@@ -187,7 +187,7 @@ def test_bfloat16_results_are_written_as_torch_rounds_the_float32_sums(pairs):
     rows = x if pairs else x.float()
     if pairs:
         rows = torch.nn.functional.pad(rows, (0, 0))  # 40 is even: no padding column
-    fn = cpu_linear._FUNCTIONS[packed.dtype]
+    fn = cpu_linear._FUNCTIONS[packed.dtype, packed.dim()]
     wide = torch.empty(9, 130)
     narrow = torch.empty(9, 130, dtype=torch.bfloat16)
     for y, as_bf16 in ((wide, False), (narrow, True)):

@@ -60,8 +60,9 @@ def _kernel() -> ctypes.CDLL | None:
     return lib
 
 
-_FUNCTIONS: dict[torch.dtype, object] = {}  # packed weights' dtype -> the kernel's function (int32: pairs, uint8: int4)
-_Q8_PAIRS: dict[str, object] = {}  # "fn": the kernel's function for int8 weights in pairs (4-D int8 packing)
+# packed weights' (dtype, dimensions) -> the kernel's function: float32, bfloat16, int8 [groups, in, width];
+# pairs (int32), int4 blocks (uint8) [groups, ..., width or block bytes]; int8 pairs [groups, in / 2, width, 2]
+_FUNCTIONS: dict[tuple[torch.dtype, int], object] = {}
 OP_SOURCE = "linear_op.cpp"  # the op's CPU kernel in C++ (its Python body, `_linear`, where it cannot build)
 _registered = threading.Lock()
 _op: dict[str, object] = {}  # "impl": "C++" or "Python" once registered; "rows": the C++ real-rows setter
@@ -71,10 +72,9 @@ def kernel_available() -> bool:
     """Whether this machine built the small-row kernel; the first call registers the op's CPU kernel."""
     lib = _kernel()
     if lib is not None and not _FUNCTIONS:
-        _FUNCTIONS.update({torch.float32: lib.specserve_gemm_f32, torch.bfloat16: lib.specserve_gemm_bf16,
-                           torch.int32: lib.specserve_gemm_pairs, torch.int8: lib.specserve_gemm_q8,
-                           torch.uint8: lib.specserve_gemm_q4})
-        _Q8_PAIRS["fn"] = lib.specserve_gemm_q8_pairs
+        _FUNCTIONS.update({(torch.float32, 3): lib.specserve_gemm_f32, (torch.bfloat16, 3): lib.specserve_gemm_bf16,
+                           (torch.int32, 3): lib.specserve_gemm_pairs, (torch.int8, 3): lib.specserve_gemm_q8,
+                           (torch.int8, 4): lib.specserve_gemm_q8_pairs, (torch.uint8, 3): lib.specserve_gemm_q4})
     if lib is not None and "impl" not in _op:
         _register()
     return lib is not None
@@ -215,12 +215,11 @@ def _linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, ou
     sums in float32 (bfloat16 inputs and weights widen exactly; pairs: bfloat16 rows against pairs of
     weights) and the result is rounded once, by the kernel as it writes it (to x's dtype)."""
     wide = x.dtype == torch.float32  # the common case, with no conversion: a step makes 121 of these calls
-    fn = _FUNCTIONS[packed.dtype]
+    fn = _FUNCTIONS[packed.dtype, packed.dim()]
     if packed.dtype == torch.uint8:  # int4 blocks: bfloat16 rows, zeros against the padding
         rows = torch.nn.functional.pad(x.to(torch.bfloat16), (0, Q4_K * packed.shape[1] - x.shape[-1]))
     elif packed.dim() == 4:  # int8 pairs: bfloat16 rows, zeros against the padding and the scales
         rows = torch.nn.functional.pad(x.to(torch.bfloat16), (0, 2 * packed.shape[1] - x.shape[-1]))
-        fn = _Q8_PAIRS["fn"]
     elif packed.dtype == torch.int32:  # pairs: a bfloat16 model's rows are bfloat16 already
         rows = x if x.dtype == torch.bfloat16 and x.is_contiguous() else x.to(torch.bfloat16).contiguous()
         if rows.shape[-1] % 2:  # the weights' input dimension is padded to even with zero
