@@ -46,6 +46,7 @@ CASES = [  # rows' dtype, weights' dtype, pairs, input size (odd: the pairs' pad
     (torch.float32, torch.int8, False, 33, True), (torch.bfloat16, torch.int8, True, 33, True),
     (torch.float32, torch.int8, True, 40, False),  # int8: a draft's `packed_weights: int8`
     (torch.bfloat16, torch.int4, True, 33, True), (torch.float32, torch.int4, True, 72, False),  # int4 blocks
+    (torch.bfloat16, torch.int4, True, 64, False),  # whole blocks: no padding to copy the strided rows
 ]
 
 
@@ -66,6 +67,7 @@ def test_the_ops_cpp_kernel_gives_its_python_bodys_bits(x_dtype, w_dtype, pairs,
     for real in (None, 3):
         if real is None:
             got, want = cpu_linear.linear(x, packed, bias, 150), cpu_linear._linear(x, packed, bias, 150)
+            assert torch.equal(got, cpu_linear.linear(x.contiguous(), packed, bias, 150))  # strides read right
         else:
             with cpu_linear.real_rows(real):
                 got, want = cpu_linear.linear(x, packed, bias, 150), cpu_linear._linear(x, packed, bias, 150)

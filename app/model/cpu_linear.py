@@ -216,8 +216,8 @@ def _linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, ou
     weights) and the result is rounded once, by the kernel as it writes it (to x's dtype)."""
     wide = x.dtype == torch.float32  # the common case, with no conversion: a step makes 121 of these calls
     fn = _FUNCTIONS[packed.dtype, packed.dim()]
-    if packed.dtype == torch.uint8:  # int4 blocks: bfloat16 rows, zeros against the padding
-        rows = torch.nn.functional.pad(x.to(torch.bfloat16), (0, Q4_K * packed.shape[1] - x.shape[-1]))
+    if packed.dtype == torch.uint8:  # int4 blocks: bfloat16 rows, zeros against the padding (none: strided)
+        rows = torch.nn.functional.pad(x.to(torch.bfloat16), (0, Q4_K * packed.shape[1] - x.shape[-1])).contiguous()
     elif packed.dim() == 4:  # int8 pairs: bfloat16 rows, zeros against the padding and the scales
         rows = torch.nn.functional.pad(x.to(torch.bfloat16), (0, 2 * packed.shape[1] - x.shape[-1]))
     elif packed.dtype == torch.int32:  # pairs: a bfloat16 model's rows are bfloat16 already

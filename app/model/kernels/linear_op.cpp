@@ -29,7 +29,8 @@ at::Tensor linear_op(const at::Tensor& x, const at::Tensor& packed, const std::o
     if (rows.size(-1) % 2) rows = at::constant_pad_nd(rows, {0, 1}, 0);  // the weights' input padded to even
   } else if (packed.scalar_type() == at::kByte) {  // int4 blocks: bfloat16 rows, zeros against the padding
     rows = x.scalar_type() == at::kBFloat16 ? x : x.to(at::kBFloat16);
-    rows = at::constant_pad_nd(rows, {0, Q4_K * packed.size(1) - x.size(-1)}, 0);
+    // contiguous: with no padding to add (whole blocks) the pad returns strided rows as they came
+    rows = at::constant_pad_nd(rows, {0, Q4_K * packed.size(1) - x.size(-1)}, 0).contiguous();
   } else if (packed.scalar_type() == at::kChar && packed.dim() == 4) {  // int8 pairs: bfloat16 rows, zeros
     rows = x.scalar_type() == at::kBFloat16 ? x : x.to(at::kBFloat16);  // against the padding and the scales
     rows = at::constant_pad_nd(rows, {0, 2 * packed.size(1) - x.size(-1)}, 0);

@@ -203,8 +203,8 @@ constexpr int Q4_K = 32;  // int4 weights: inputs a block's scale and zero point
 // it under the exponent byte 0x43, with no conversion; each block's sum over its pairs, part, then enters
 // the column's chain as acc = fma(part - (128 + z) * X, s, acc), X the row's sum of the block's inputs (in
 // order, in float32). Why: a draft's step streams its weights; int4 blocks are 0.59 of int8's bytes, and
-// with zero points per 32 inputs the Qwen2.5-Coder-0.5B draft agreed with its target's greedy tokens as
-// often as on int8 (docs/performance.md).
+// with zero points per 32 inputs the Qwen2.5-Coder-0.5B draft agreed with its target's greedy tokens
+// nearly as often as on int8 (0.862 against 0.881; docs/performance.md).
 constexpr int Q4_PAIRS = Q4_K / 2;
 constexpr int Q4_BLOCK = Q4_PAIRS * GW + 2 * GW + GW;  // nibbles, bfloat16 scales, zero points
 // sums a tile holds: each output's chain and its block's part (twice the registers of the other paths)
