@@ -418,6 +418,18 @@ def test_a_draft_on_smaller_packed_weights_proposes_and_the_output_stays_the_tar
     assert result.speculation["drafted_tokens"] > 0 and result.speculation["accepted_tokens"] > 0
 
 
+def test_int4_that_the_model_cannot_take_is_said_not_ignored(target_model, caplog):
+    """A float32 draft asked for int4 (int4 needs a bfloat16 model with AVX512-BF16) packs int8 and says so;
+    one that takes what it asked for says nothing."""
+    with caplog.at_level("WARNING", logger="app.model.cpu_linear"):
+        cpu_linear.pack_linears(copy.deepcopy(target_model).float(), dtype=torch.int4)
+    assert "packed_weights int4: the linears took int8 weights here" in caplog.text
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="app.model.cpu_linear"):
+        cpu_linear.pack_linears(copy.deepcopy(target_model).float(), dtype=torch.int8)
+    assert "packed_weights" not in caplog.text
+
+
 @pytest.mark.parametrize("weights", ["int8", "int4"])
 def test_quantized_weights_are_a_drafts_setting_alone(weights):
     """A target's weights are the model: its settings and the Serve config refuse int8 and int4; a draft's

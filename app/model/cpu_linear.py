@@ -27,6 +27,7 @@ inductor's matmuls, which cannot lower the oneDNN op.
 """
 
 import ctypes
+import logging
 import threading
 from contextlib import contextmanager
 
@@ -34,6 +35,8 @@ import torch
 from torch import nn
 
 from app.model import native
+
+log = logging.getLogger(__name__)
 
 SOURCE = "small_gemm.cpp"  # in app/model/kernels/, built by app/model/native.py
 # no -ffast-math: reassociated sums would make a row's result depend on the tile it runs in
@@ -284,7 +287,8 @@ class PackedLinear(nn.Module):
         # a draft's weights in int4 blocks (`packed_weights: int4`) where the pair path has them, else int8
         int4 = pairs and dtype == torch.int4 and int4_available()
         int8 = kernel and dtype in (torch.int8, torch.int4) and not int4
-        self.weights = "int4" if int4 else "int8" if int8 else str(dtype or weight.dtype).removeprefix("torch.")
+        stored = dtype if kernel and dtype is not None else weight.dtype  # oneDNN's: the model's own
+        self.weights = "int4" if int4 else "int8" if int8 else str(stored).removeprefix("torch.")
         if kernel and dtype is not None and not (int8 or int4):  # bfloat16 weights against float32 rows
             weight = weight.to(dtype)
         # oneDNN's batch-size hint only picks the blocked layout; any row count runs on it, but the layout
@@ -389,6 +393,11 @@ def pack_linears(model: nn.Module, compiled: bool = False, dtype: torch.dtype | 
             if type(child) is nn.Linear and child.weight.device.type == "cpu" and child.weight.dtype in _PACKABLE:
                 setattr(parent, name, PackedLinear(child, kernel, dtype))
                 count += 1
+    wanted = str(dtype).removeprefix("torch.")
+    taken = {m.weights for m in model.modules() if isinstance(m, PackedLinear)}
+    if dtype in (torch.int8, torch.int4) and taken and taken != {wanted}:  # said, not silently ignored
+        log.warning("packed_weights %s: the linears took %s weights here (int8 needs the small-row kernel, int4 a "
+                    "bfloat16 model on a CPU with AVX512-BF16)", wanted, ", ".join(sorted(taken)))
     return count
 
 
