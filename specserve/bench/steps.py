@@ -17,8 +17,6 @@ import json
 import statistics
 import time
 
-import torch
-
 from app.config import DraftSettings, ModelSettings
 from app.model.batches import SeqInput
 from app.model.loading import load_runner
