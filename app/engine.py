@@ -122,11 +122,13 @@ class RemoteTarget:
     eos_ids: frozenset[int] | None = None
     kv_capacity: int | None = None
     grammars: Grammars | None = None
+    # positions of a context its prefix cache holds (KVStore.prefix_len); None where not known here
+    prefix_len: Callable[[list[int], str | None], int] | None = None
 
     @classmethod
     def of(cls, runner: ModelRunner) -> "RemoteTarget":
         return cls(runner.tokenizer, runner.vocab_size, runner.max_context, runner.eos_ids, runner.capacity_tokens(),
-                   runner.grammars)
+                   runner.grammars, runner.cache.prefix_len)
 
 
 class Transport(Protocol):
@@ -173,6 +175,7 @@ class Engine:
         # to check requests' grammars: the target runner's own where it is in this process (it masks with
         # them); a tensor-parallel replica's ranks hold theirs elsewhere, so it gets one of its own
         self.grammars = remote.grammars or Grammars(remote.tokenizer, remote.vocab_size)
+        self.target_cached = remote.prefix_len
         self.k_max = settings.k_max
         self.limits = Limits(self.vocab_size, self.max_context, self.k_max, self.context_limit, self.grammars.check)
         self.policy = settings.policy
@@ -226,7 +229,8 @@ class Engine:
         self.active += 1
         try:
             context = RoundContext(self.drafter.submit if self.drafter else None, verify, self.costs, self.verify_cost,
-                                   self.policy, lambda: self.active > 1, lambda: self.active, self.prefill_chunk)
+                                   self.policy, lambda: self.active > 1, lambda: self.active, self.prefill_chunk,
+                                   self.target_cached)
             async for kept in run_rounds(state, context, controller or self.controller(state.params), observer,
                                          trace_parent, cached):
                 yield kept

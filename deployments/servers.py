@@ -243,8 +243,9 @@ class TargetServer(_Server):
                              if draft is not None else None)
         settings = EngineSettings(k_max=speculation.k_max, policy=policy, prefill_chunk=batch.prefill_chunk_tokens,
                                   goodput_gate=speculation.goodput_gate, verify_cost=self._verify_cost)
-        remote = RemoteTarget(tokenizer, vocab, max_context, eos, kv_capacity,
-                              self.runner.grammars if self.runner is not None else None)
+        local = self.runner is not None  # a tensor-parallel group's cache is its ranks'
+        remote = RemoteTarget(tokenizer, vocab, max_context, eos, kv_capacity, self.runner.grammars if local else None,
+                              self.runner.cache.prefix_len if local else None)
         self.engine = Engine(self.queue, self.draft_client, settings, remote)
 
     @staticmethod

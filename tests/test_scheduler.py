@@ -529,3 +529,27 @@ def test_an_engine_without_the_gate_never_consults_one(engine):
     eng = engine()
     assert eng.costs.gate is None
     assert eng.generate([PROMPTS[0]], greedy())[0].speculation["drafted_tokens"] > 0
+
+
+@pytest.mark.parametrize("beside_cached", [True, False])
+def test_beside_a_prefill_the_targets_cache_holds_the_draft_is_asked_only_where_configured(
+        target_model, tokenizer, draft_model, reference, beside_cached):
+    eng = Engine(ModelRunner(target_model, tokenizer), ModelRunner(draft_model, tokenizer),
+                 EngineSettings(k_max=6, policy=DraftPolicy(ahead=True, beside_cached=beside_cached)))
+    eng.costs = DraftLags()
+    contexts = []  # every context the draft was asked to draft for
+    submit = eng.drafter.submit
+
+    async def spy(item):
+        contexts.append(list(item.token_ids))
+        return await submit(item)
+    eng.drafter.submit = spy
+    prompt = PROMPTS[2]  # 80 tokens: five whole prefix blocks
+    first = eng.generate([prompt], greedy())[0]
+    assert contexts.count(prompt) == 1  # new to the target's cache: its prefill is drafted beside, either way
+    contexts.clear()
+    again = eng.generate([prompt], greedy())[0]  # the target's cache now holds it to its last block
+    assert contexts.count(prompt) == (1 if beside_cached else 0)
+    assert contexts  # the draft still drafted every later round (it caught up in the second)
+    assert first.token_ids == again.token_ids == reference[tuple(prompt)]
+    assert again.speculation["drafted_tokens"] > 0

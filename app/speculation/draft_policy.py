@@ -39,10 +39,11 @@ class DraftPolicy:
     ahead: bool = _SETTINGS.draft_ahead  # ask for round n+1's proposal while round n is verified
     branches: int = _SETTINGS.draft_ahead_branches  # and for its likely rejections: runner-ups per position
     stop_below: float = _SETTINGS.draft_stop_below  # a flexible request's proposal ends below this draft probability
+    beside_cached: bool = _SETTINGS.draft_beside_cached_prefill  # asked beside a prefill the target's cache holds
     clock: Callable[[], float] = time.monotonic  # injected by tests
 
     @classmethod
     def of(cls, settings: SpeculationSettings) -> "DraftPolicy":
         return cls(timeout_s=settings.draft_timeout_s, retry_after_s=settings.draft_retry_after_s,
                    ahead=settings.draft_ahead, branches=settings.draft_ahead_branches,
-                   stop_below=settings.draft_stop_below)
+                   stop_below=settings.draft_stop_below, beside_cached=settings.draft_beside_cached_prefill)

@@ -38,6 +38,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 
 from app import telemetry
+from app.model.blocks import PREFIX_BLOCK
 from app.speculation.ahead import DraftsAhead
 from app.speculation.draft_policy import DraftPolicy, DraftUnavailable
 from app.speculation.controller import CostEstimator, KController, VerifyCost
@@ -80,6 +81,8 @@ class RoundContext:
     company: Callable[[], bool] = lambda: False  # whether other sequences share this one's target forwards
     load: Callable[[], int] = lambda: 1  # the engine's sequences in flight, for the goodput gate's measure
     prefill_chunk: int | None = None  # a longer context is prefilled in chunks of this many tokens
+    # positions of a context the target's prefix cache holds (under a cache salt); None: not known here
+    target_cached: Callable[[list[int], str | None], int] | None = None
 
 
 @dataclass
@@ -102,6 +105,7 @@ class Rounds:
         self.company = context.company
         self.cached = 0  # context positions the target already holds for this sequence (as far as it knows)
         self.policy = context.policy
+        self.target_cached = context.target_cached
         self.drafts = DraftsAhead(self._draft)  # proposals asked ahead: for the likely outcome and rejections
         self.draft_down_until = float("-inf")
         self.down_reason = "draft_unavailable"
@@ -114,10 +118,20 @@ class Rounds:
         asked = self.drafts.main is not None
         if not (self.first and self.propose and not asked) or self.policy.clock() < self.draft_down_until:
             return
+        if not self.policy.beside_cached and self._prefill_cached():
+            return  # the draft catches up next round, in a short forward
         k = within_room(state, self.controller.choose(*_costs(state, self.costs, self.verify_cost)), 1)
         if k > 0 and not self._gated():
             self.drafts.ask_main(list(state.token_ids), k + 1)
             self.drafts.main.prompt = True
+
+    def _prefill_cached(self) -> bool:
+        """Whether the target's prefix cache holds this context to its last block: its prefill is then a
+        step of a few positions (memory-bound on a CPU, where the draft's forwards beside it slow it)."""
+        if self.target_cached is None:
+            return False
+        ids = self.state.token_ids
+        return self.target_cached(ids, self.state.params.cache_salt) >= len(ids) - PREFIX_BLOCK
 
     @property
     def gateable(self) -> bool:
